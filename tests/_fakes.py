@@ -14,7 +14,9 @@ LAYERS = 2
 WIDTH = 4
 
 
-def kv_for(tokens: Sequence[int], layers: int = LAYERS, width: int = WIDTH) -> np.ndarray:
+def kv_for(
+    tokens: Sequence[int], layers: int = LAYERS, width: int = WIDTH
+) -> np.ndarray:
     """A deterministic [2, L, T, D] KV whose values encode token and position."""
     t = np.asarray(tokens, dtype=np.float32)[None, None, :, None]
     pos = np.arange(len(tokens), dtype=np.float32)[None, None, :, None]
@@ -32,7 +34,9 @@ class InMemoryKV:
         self.chunks: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
         self._lock = threading.Lock()
 
-    def retrieve(self, tokens: Sequence[int], cache_salt: str = "") -> np.ndarray | None:
+    def retrieve(
+        self, tokens: Sequence[int], cache_salt: str = ""
+    ) -> np.ndarray | None:
         parts = []
         with self._lock:
             for end in range(self.chunk_size, len(tokens) + 1, self.chunk_size):
@@ -42,7 +46,9 @@ class InMemoryKV:
                 parts.append(chunk)
         return np.concatenate(parts, axis=2) if parts else None
 
-    def store(self, kv: np.ndarray, tokens: Sequence[int], cache_salt: str = "") -> bool:
+    def store(
+        self, kv: np.ndarray, tokens: Sequence[int], cache_salt: str = ""
+    ) -> bool:
         wrote = False
         with self._lock:
             for end in range(self.chunk_size, len(tokens) + 1, self.chunk_size):
@@ -67,7 +73,10 @@ class FakeEngine:
         self.calls: list[list[int]] = []
 
     def __call__(
-        self, prompt_token_ids: list[int], sampling_params: dict[str, Any], cache_salt: str
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: dict[str, Any],
+        cache_salt: str,
     ) -> Iterator[TokenEvent]:
         self.calls.append(list(prompt_token_ids))
         cached = self.ctx.retrieve(prompt_token_ids, cache_salt)

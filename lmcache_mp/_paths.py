@@ -1,0 +1,40 @@
+"""Where lmcache_mp keeps its private files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+__all__ = ["private_tempdir", "remove_tree", "shm_root"]
+
+
+def shm_root() -> str:
+    """Return ``/dev/shm`` where it is a writable directory, else the temp dir.
+
+    Files in ``/dev/shm`` live in RAM and every process on the machine can
+    map them, which is what makes the KV store zero-copy across processes.
+    """
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
+        return "/dev/shm"
+    return tempfile.gettempdir()
+
+
+def private_tempdir(prefix: str) -> str:
+    """Create a fresh directory only the current user can access (0700).
+
+    Args:
+        prefix: Start of the directory's name; it should contain
+            ``"lmcache"`` so that leak checks can find it.
+
+    Returns:
+        The directory's path.
+    """
+    # mkdtemp creates the directory with mode 0700 atomically.
+    return tempfile.mkdtemp(prefix=prefix, dir=shm_root())
+
+
+def remove_tree(path: str | None) -> None:
+    """Remove a directory tree; a missing one is fine (safe to call twice)."""
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,92 @@
+"""The plain picklable data that crosses between the parent and a worker.
+
+A phase is one ``PhaseSpec`` (what every stream runs) and one ``StreamJob``
+per stream (that stream's state); each job comes back as a
+``StreamOutcome``. None of these ever holds a KV array: workers read and
+write KV through the context, which pickles by location.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from lmcache_mp.kv import KVContext
+from lmcache_mp.stream import (
+    ModifyFn,
+    PostCompletion,
+    StreamModifyMetrics,
+    StreamPerfMetrics,
+    StreamState,
+)
+
+__all__ = ["PhaseKind", "PhaseSpec", "StreamJob", "StreamOutcome"]
+
+PhaseKind = Literal["generate", "modify"]
+
+
+@dataclass(frozen=True)
+class PhaseSpec:
+    """What every stream of one phase runs.
+
+    Contexts and engines are deduplicated into tables that jobs index, so a
+    batch whose streams share one context and one engine ships each once.
+
+    Args:
+        kind: ``"generate"`` (prefill/decode) or ``"modify"``.
+        contexts: The KV contexts of the phase's streams.
+        engines: The ``post_completion`` callables of the phase's streams.
+        sampling_params: For ``generate``.
+        fn: For ``modify``: the KV editor.
+        retrieve_timeout: For ``modify``: seconds to wait for cached KV.
+        poll_interval: For ``modify``: seconds between retrieve attempts.
+    """
+
+    kind: PhaseKind
+    contexts: tuple[KVContext, ...]
+    engines: tuple[PostCompletion, ...]
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    fn: ModifyFn | None = None
+    retrieve_timeout: float = 30.0
+    poll_interval: float = 0.2
+
+
+@dataclass
+class StreamJob:
+    """One stream's share of a phase.
+
+    Args:
+        stream_id: The stream's id.
+        cache_salt: The stream's salt.
+        ctx_index: Index of its context in ``PhaseSpec.contexts``.
+        engine_index: Index of its engine in ``PhaseSpec.engines``.
+        state: A copy of its state before the phase.
+    """
+
+    stream_id: str
+    cache_salt: str
+    ctx_index: int
+    engine_index: int
+    state: StreamState
+
+
+@dataclass
+class StreamOutcome:
+    """What one job produced: a new state and figures, or an error.
+
+    Args:
+        stream_id: The stream's id.
+        state: The state to commit, when the job succeeded.
+        perf: ``generate`` figures, when it succeeded.
+        modify: ``modify`` figures, when it succeeded.
+        error: The exception, when it failed.
+        traceback: The formatted traceback of ``error`` in the process that
+            raised it, when that was a worker.
+    """
+
+    stream_id: str
+    state: StreamState | None = None
+    perf: StreamPerfMetrics | None = None
+    modify: StreamModifyMetrics | None = None
+    error: BaseException | None = None
+    traceback: str | None = None

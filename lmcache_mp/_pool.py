@@ -1,0 +1,564 @@
+"""Phases on worker processes: a persistent pool, or a caller's executor.
+
+Data flow of one phase (after CPython's ``concurrent/futures/process.py``)::
+
+    parent (batch thread)                       worker process (x max_workers)
+    ---------------------                       ------------------------------
+    PhaseSpec: fn, contexts, engines
+      | cloudpickle, once per phase
+      v
+    spec file (private dir, /dev/shm) ........> run_shard(ShardTask bytes)
+    StreamJobs (states only)                      | loads the spec once per digest
+      | pickle, a few jobs per ShardTask          | rebuilds each stream, runs it
+      +---- call queue ------------------------>  | marker file while a job runs
+                                                  | KV: store <-> worker directly,
+                                                  |     never through a pipe
+    StreamOutcomes (state+figures | error) <----  + one pickled outcome per job
+      | result queue
+      v
+    the batch commits each successful stream
+
+A worker that dies breaks a ``ProcessPoolExecutor`` and fails every pending
+future. The marker files tell which streams the dead worker was running:
+those fail with :class:`~lmcache_mp.errors.TerminatedWorkerError`; every
+other unfinished stream is run again on a rebuilt pool.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import hashlib
+import multiprocessing
+import os
+import pickle
+import signal
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
+from concurrent.futures.process import BrokenProcessPool, ProcessPoolExecutor
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import cloudpickle
+
+from lmcache_mp._paths import private_tempdir, remove_tree
+from lmcache_mp._phase import PhaseSpec, StreamJob, StreamOutcome
+from lmcache_mp._worker import BLAS_ENV_VARS, ShardTask, initialize, run_shard
+from lmcache_mp.errors import (
+    LMCachePicklingError,
+    LMCacheStreamError,
+    RemoteTraceback,
+    TerminatedWorkerError,
+)
+from lmcache_mp.executors import (
+    PhaseExecutor,
+    PhaseRun,
+    physical_cores,
+    timeout_outcome,
+)
+
+__all__ = ["ForeignExecutor", "ProcessExecutor"]
+
+#: Times a phase rebuilds a broken pool before failing what is left.
+_MAX_ROUNDS = 3
+#: Seconds to wait for workers to start, or to exit when closing.
+_JOIN_TIMEOUT = 60.0
+#: Modify jobs per task: enough tasks (4 per worker) to balance the load,
+#: few enough that a ~0.2 ms round trip is amortised over several streams.
+_TASKS_PER_WORKER = 4
+
+_SIGNAL_CAUSES = {
+    signal.SIGKILL: "killed by another process or by the kernel's out-of-memory killer",
+    signal.SIGSEGV: "a segmentation fault in native code (a C extension, ctypes)",
+    signal.SIGBUS: "a bus error in native code",
+    signal.SIGABRT: "an abort in native code",
+    signal.SIGILL: "an illegal instruction in native code",
+    signal.SIGFPE: "a floating-point exception in native code",
+    signal.SIGTERM: "terminated by another process",
+}
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """Say how a worker ended and the likely cause, from its exit code."""
+    if exitcode is None:
+        return "its exit status is unknown"
+    if exitcode < 0:
+        try:
+            sig = signal.Signals(-exitcode)
+        except ValueError:
+            return f"it was killed by signal {-exitcode}"
+        cause = _SIGNAL_CAUSES.get(sig, "an unexpected signal")
+        return f"it was killed by {sig.name} ({-exitcode}); likely cause: {cause}"
+    return (
+        f"it exited with code {exitcode}; likely cause: the code it ran called "
+        "os._exit() or the interpreter hit a fatal error"
+    )
+
+
+def pickle_spec(spec: PhaseSpec) -> bytes:
+    """Cloudpickle a phase, naming what cannot be pickled.
+
+    Raises:
+        LMCachePicklingError: If the fn, a context or an engine cannot be
+            pickled; raised before any stream is touched.
+    """
+    try:
+        return bytes(cloudpickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as exc:
+        parts: list[tuple[str, Any]] = [("the modify fn", spec.fn)]
+        parts += [("the KV context", c) for c in spec.contexts]
+        parts += [("the post_completion", e) for e in spec.engines]
+        for what, obj in parts:
+            try:
+                cloudpickle.dumps(obj)
+            except Exception as inner:
+                raise LMCachePicklingError(
+                    f"cannot send {what} {obj!r} to the worker processes: "
+                    f"{type(inner).__name__}: {inner}"
+                ) from inner
+        raise LMCachePicklingError(
+            f"cannot send the {spec.kind} phase to the worker processes: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _shards(concurrent: bool, pending: list[int], workers: int) -> list[list[int]]:
+    """Split job numbers into tasks.
+
+    Prefill/decode (``concurrent``): one task per worker, round robin, all
+    run at once. Modify: consecutive runs of a few jobs, pulled as workers
+    free up.
+    """
+    if concurrent:
+        n = min(workers, len(pending))
+        return [pending[i::n] for i in range(n)]
+    size = max(1, -(-len(pending) // (workers * _TASKS_PER_WORKER)))
+    return [pending[i : i + size] for i in range(0, len(pending), size)]
+
+
+def _fail_all(
+    result: PhaseRun, jobs: list[StreamJob], nos: Sequence[int], exc: BaseException
+) -> None:
+    for no in nos:
+        sid = jobs[no].stream_id
+        error = LMCacheStreamError(
+            f"stream {sid}: the worker could not run its task: "
+            f"{type(exc).__name__}: {exc}",
+            sid,
+        )
+        error.__cause__ = exc
+        result.outcomes[sid] = StreamOutcome(sid, error=error)
+
+
+class _ShardExecutor(PhaseExecutor):
+    """Ships phases to a ``concurrent.futures`` executor as shard tasks."""
+
+    def __init__(self) -> None:
+        self._dir: str | None = None
+        self._phase_no = 0
+
+    @abc.abstractmethod
+    def _executor(self, n_jobs: int, result: PhaseRun) -> Executor:
+        """Return the executor to submit to, starting it if needed."""
+
+    @abc.abstractmethod
+    def _after_break(
+        self, jobs: list[StreamJob], lost: list[int], marker_dir: str, result: PhaseRun
+    ) -> list[int]:
+        """Fail what a broken executor lost; return what to run again."""
+
+    def _on_timeout(self) -> None:
+        """Stop what still runs after a phase timeout."""
+
+    def _abort(self) -> None:
+        """Stop everything now (Ctrl-C in the parent)."""
+
+    def run(
+        self,
+        spec: PhaseSpec,
+        jobs: list[StreamJob],
+        *,
+        timeout: float | None = None,
+        max_in_flight: int | None = None,
+    ) -> PhaseRun:
+        """Run the jobs in worker processes; see :meth:`PhaseExecutor.run`."""
+        result = PhaseRun()
+        if not jobs:
+            return result
+        blob = pickle_spec(spec)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._dir is None:
+            self._dir = private_tempdir("lmcache-mp-pool-")
+        self._phase_no += 1
+        digest = hashlib.blake2b(blob, digest_size=16).hexdigest()
+        spec_path = os.path.join(self._dir, f"spec-{digest}")
+        marker_dir = os.path.join(self._dir, f"phase-{self._phase_no}")
+        with open(os.open(spec_path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+            f.write(blob)
+        os.mkdir(marker_dir, 0o700)
+        result.bytes_sent += len(blob)
+        try:
+            pending = list(range(len(jobs)))
+            for _ in range(_MAX_ROUNDS):
+                executor = self._executor(len(jobs), result)
+                task = ShardTask(
+                    spec_path, digest, [], 0, spec.kind == "generate", marker_dir
+                )
+                lost = self._dispatch(
+                    executor,
+                    task,
+                    jobs,
+                    pending,
+                    deadline,
+                    timeout,
+                    max_in_flight,
+                    result,
+                )
+                if not lost:
+                    break
+                pending = self._after_break(jobs, lost, marker_dir, result)
+                for name in os.listdir(marker_dir):
+                    os.unlink(os.path.join(marker_dir, name))
+                if not pending:
+                    break
+            else:
+                error = TerminatedWorkerError(
+                    f"worker processes died in {_MAX_ROUNDS} pools in a row"
+                )
+                _fail_all(result, jobs, pending, error)
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            remove_tree(marker_dir)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(spec_path)
+        return result
+
+    def _dispatch(
+        self,
+        executor: Executor,
+        template: ShardTask,
+        jobs: list[StreamJob],
+        pending: list[int],
+        deadline: float | None,
+        timeout: float | None,
+        max_in_flight: int | None,
+        result: PhaseRun,
+    ) -> list[int]:
+        """Submit the pending jobs and collect outcomes.
+
+        Returns:
+            The job numbers lost to a broken executor (empty otherwise).
+        """
+        workers = max(1, self.workers)
+        queue = deque(_shards(template.concurrent, pending, workers))
+        if template.concurrent:
+            limit = len(queue)
+        else:
+            limit = 2 * workers if max_in_flight is None else max(1, max_in_flight)
+        running: dict[Future[list[bytes]], list[int]] = {}
+        lost: list[int] = []
+        while (queue or running) and not lost:
+            while queue and len(running) < limit:
+                nos = queue.popleft()
+                task = ShardTask(
+                    template.spec_path,
+                    template.spec_digest,
+                    [jobs[no] for no in nos],
+                    nos,
+                    template.concurrent,
+                    template.marker_dir,
+                )
+                payload = pickle.dumps(task, protocol=pickle.HIGHEST_PROTOCOL)
+                try:
+                    future = executor.submit(run_shard, payload)
+                except BrokenProcessPool:
+                    lost.extend(nos)
+                    break
+                result.bytes_sent += len(payload)
+                running[future] = nos
+            remaining = (
+                None if deadline is None else max(0.0, deadline - time.monotonic())
+            )
+            done, _ = wait(running, timeout=remaining, return_when=FIRST_COMPLETED)
+            if not done and not lost:
+                for nos in [*running.values(), *queue]:
+                    for no in nos:
+                        result.outcomes[jobs[no].stream_id] = timeout_outcome(
+                            jobs[no], timeout
+                        )
+                self._on_timeout()
+                return []
+            for future in done:
+                lost += self._collect(future, running.pop(future), jobs, result)
+        if lost:
+            # A broken pool fails every pending future at once; keep the
+            # outcomes that made it back before the break.
+            done, _ = wait(running, timeout=_JOIN_TIMEOUT)
+            for future, nos in running.items():
+                lost += (
+                    self._collect(future, nos, jobs, result) if future in done else nos
+                )
+            for nos in queue:
+                lost += nos
+        return lost
+
+    def _collect(
+        self,
+        future: Future[list[bytes]],
+        nos: list[int],
+        jobs: list[StreamJob],
+        result: PhaseRun,
+    ) -> list[int]:
+        """Record a finished task's outcomes; return its jobs if it was lost."""
+        try:
+            blobs = future.result()
+        except BrokenProcessPool:
+            return nos
+        except Exception as exc:
+            _fail_all(result, jobs, nos, exc)
+            return []
+        for blob in blobs:
+            result.bytes_received += len(blob)
+            outcome: StreamOutcome = pickle.loads(blob)
+            if outcome.error is not None and outcome.traceback:
+                outcome.error.__cause__ = RemoteTraceback(outcome.traceback)
+            result.outcomes[outcome.stream_id] = outcome
+        return []
+
+
+@contextlib.contextmanager
+def _blas_env(threads: int) -> Iterator[None]:
+    """Set the BLAS thread variables the user has not set, while workers
+    are spawned: a spawned interpreter reads them before importing numpy,
+    which is the only time OpenBLAS/OpenMP read them."""
+    added = [var for var in BLAS_ENV_VARS if var not in os.environ]
+    for var in added:
+        os.environ[var] = str(threads)
+    try:
+        yield
+    finally:
+        for var in added:
+            os.environ.pop(var, None)
+
+
+def _ping() -> int:
+    # Sleep a little so that one fast worker does not take every ping.
+    time.sleep(0.02)
+    return os.getpid()
+
+
+class ProcessExecutor(_ShardExecutor):
+    """A persistent pool of worker processes, started at the first phase.
+
+    Args:
+        max_workers: Worker processes (default: physical cores, at most the
+            number of streams of the first phase).
+        mp_context: Start method: ``"spawn"`` (default: safe with threads,
+            same on every OS), ``"forkserver"`` or ``"fork"``.
+        preload: Modules every worker imports once at start (with
+            ``"forkserver"``, the server imports them once for all).
+        blas_threads: BLAS/OpenMP threads per worker (default: cores //
+            workers, so that workers x threads <= cores).
+
+    Raises:
+        ValueError: If ``mp_context`` is not a start method of this platform
+            or ``max_workers`` is below 1.
+    """
+
+    name = "process"
+
+    def __init__(
+        self,
+        max_workers: int | None = None,
+        mp_context: str = "spawn",
+        preload: Sequence[str] = (),
+        blas_threads: int | None = None,
+    ) -> None:
+        super().__init__()
+        methods = multiprocessing.get_all_start_methods()
+        if mp_context not in methods:
+            raise ValueError(
+                f"mp_context {mp_context!r} is not a start method here; "
+                f"choose one of {', '.join(methods)}"
+            )
+        if max_workers is not None and max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        if blas_threads is not None and blas_threads < 1:
+            raise ValueError(f"blas_threads must be >= 1, got {blas_threads}")
+        self._max_workers = max_workers
+        self._mp_context = mp_context
+        self._preload = tuple(preload)
+        self._blas_threads = blas_threads
+        self._pool: ProcessPoolExecutor | None = None
+        self._procs: dict[int, BaseProcess] = {}
+        self._n = 0
+
+    @property
+    def workers(self) -> int:
+        """Worker processes of the running pool (or of the next one)."""
+        return self._n or self._max_workers or physical_cores()
+
+    @property
+    def mp_context(self) -> str:
+        """The start method."""
+        return self._mp_context
+
+    def pids(self) -> list[int]:
+        """Return the pids of the running pool's workers."""
+        return sorted(self._procs)
+
+    def start(self, n_streams: int | None = None) -> float:
+        """Start the workers now and wait until they run; no-op if running.
+
+        Args:
+            n_streams: Streams to size the pool for when ``max_workers``
+                was not given.
+
+        Returns:
+            Seconds spent starting (0.0 when already running).
+        """
+        if self._pool is not None:
+            return 0.0
+        begin = time.perf_counter()
+        n = self._max_workers or min(physical_cores(), n_streams or physical_cores())
+        blas = self._blas_threads or max(1, physical_cores() // n)
+        ctx = multiprocessing.get_context(self._mp_context)
+        if self._mp_context == "forkserver":
+            ctx.set_forkserver_preload(["lmcache_mp._worker", *self._preload])
+        pool = ProcessPoolExecutor(
+            max_workers=n,
+            mp_context=ctx,
+            initializer=initialize,
+            initargs=(blas, self._preload),
+        )
+        self._pool, self._n = pool, n
+        with _blas_env(blas):
+            seen: set[int] = set()
+            deadline = time.monotonic() + _JOIN_TIMEOUT
+            while len(seen) < n and time.monotonic() < deadline:
+                pings = [pool.submit(_ping) for _ in range(n)]
+                seen.update(f.result(timeout=_JOIN_TIMEOUT) for f in pings)
+        self._procs = dict(getattr(pool, "_processes", None) or {})
+        return time.perf_counter() - begin
+
+    def _executor(self, n_jobs: int, result: PhaseRun) -> Executor:
+        result.pool_start_s += self.start(n_jobs)
+        assert self._pool is not None
+        # A pool spawns on demand; remember every worker it has had.
+        self._procs.update(getattr(self._pool, "_processes", None) or {})
+        return self._pool
+
+    def _after_break(
+        self, jobs: list[StreamJob], lost: list[int], marker_dir: str, result: PhaseRun
+    ) -> list[int]:
+        """Blame the streams the dead worker ran; run the rest again."""
+        procs = self._procs
+        self._discard(kill=False)
+        result.pool_rebuilds += 1
+        running: dict[int, int] = {}
+        for name in os.listdir(marker_dir):
+            with (
+                contextlib.suppress(OSError, ValueError),
+                open(os.path.join(marker_dir, name)) as f,
+            ):
+                running[int(name)] = int(f.read())
+        codes = {
+            pid: procs[pid].exitcode if pid in procs else None
+            for pid in running.values()
+        }
+        # The pool SIGTERMs its other workers when one dies: those are victims.
+        dead = {pid for pid, code in codes.items() if code != -signal.SIGTERM}
+        if not dead:
+            dead = set(codes)
+        retry = []
+        for no in lost:
+            pid = running.get(no)
+            if pid not in dead:
+                retry.append(no)
+                continue
+            sid = jobs[no].stream_id
+            code = codes[pid]
+            error = TerminatedWorkerError(
+                f"stream {sid}: worker process {pid} died while running it: "
+                f"{describe_exit(code)}. The stream keeps its previous state.",
+                code,
+            )
+            result.outcomes[sid] = StreamOutcome(sid, error=error)
+        return retry
+
+    def _discard(self, *, kill: bool) -> None:
+        """Shut the pool down (killing its workers first if ``kill``)."""
+        pool, procs = self._pool, self._procs
+        self._pool, self._procs, self._n = None, {}, 0
+        if pool is None:
+            return
+        if kill:
+            for proc in procs.values():
+                with contextlib.suppress(Exception):
+                    proc.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in procs.values():
+            proc.join(_JOIN_TIMEOUT)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(_JOIN_TIMEOUT)
+        # Joins the pool's manager thread: nothing of the pool outlives this.
+        pool.shutdown(wait=True)
+
+    def _on_timeout(self) -> None:
+        self._discard(kill=True)
+
+    def _abort(self) -> None:
+        self._discard(kill=True)
+
+    def close(self) -> None:
+        """Stop the workers and remove the pool's files; safe to call twice."""
+        self._discard(kill=False)
+        remove_tree(self._dir)
+        self._dir = None
+
+
+class ForeignExecutor(_ShardExecutor):
+    """Runs phases on a ``concurrent.futures.Executor`` the caller owns.
+
+    The executor is not shut down by :meth:`close`. It must run tasks on
+    this machine (the KV store and the phase file are local). A broken
+    executor cannot be rebuilt here: the streams it lost fail.
+
+    Args:
+        executor: The caller's executor.
+    """
+
+    name = "custom"
+
+    def __init__(self, executor: Executor) -> None:
+        super().__init__()
+        self._foreign = executor
+        self.name = type(executor).__name__
+
+    @property
+    def workers(self) -> int:
+        """The executor's ``_max_workers`` when it has one, else 0."""
+        return int(getattr(self._foreign, "_max_workers", 0) or 0)
+
+    def _executor(self, n_jobs: int, result: PhaseRun) -> Executor:
+        return self._foreign
+
+    def _after_break(
+        self, jobs: list[StreamJob], lost: list[int], marker_dir: str, result: PhaseRun
+    ) -> list[int]:
+        error = TerminatedWorkerError(
+            f"the caller's executor {self._foreign!r} broke (a worker died); "
+            "lmcache_mp cannot rebuild an executor it does not own"
+        )
+        _fail_all(result, jobs, lost, error)
+        return []
+
+    def close(self) -> None:
+        """Remove the phase files; the caller's executor is left running."""
+        remove_tree(self._dir)
+        self._dir = None

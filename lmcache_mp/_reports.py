@@ -1,0 +1,183 @@
+"""The reports a batch phase returns, built from per-stream figures.
+
+Keys that upstream code reads are kept: ``config.num_streams``,
+``results.duration``, ``results.input_tokens``, ``results.input_tput``,
+``results.output_tokens`` and ``results.output_tput``. The rest (latency
+percentiles, cache hits, transport) are what upstream's docstrings promise
+but never report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lmcache_mp.executors import PhaseRun
+from lmcache_mp.metrics import Metrics, StreamHandler, get_formatter, summarize
+from lmcache_mp.stream import StreamModifyMetrics, StreamPerfMetrics
+
+__all__ = ["ExecutorInfo", "generate_report", "modify_report"]
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    """Which executor ran a phase, for the report's config section."""
+
+    name: str
+    workers: int
+
+
+def _new_report(
+    title: str, fmt: str, width: int, info: ExecutorInfo, num_streams: int
+) -> Metrics:
+    metrics = Metrics(title=title)
+    metrics.add_handler(StreamHandler(get_formatter(fmt, width=width)))
+    config = metrics.add_section("config", "Configuration")
+    config.add("num_streams", "Number of Streams", num_streams)
+    config.add("executor", "Executor", info.name)
+    config.add("workers", "Workers", info.workers)
+    return metrics
+
+
+def _ms(values: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
+    return {k: v * 1000.0 for k, v in summarize(values, percentiles).items()}
+
+
+def _add_transport(metrics: Metrics, run: PhaseRun | None) -> None:
+    if run is None:
+        return
+    section = metrics.add_section("transport", "Transport")
+    section.add("pickled_bytes_sent", "Bytes Pickled to Workers", run.bytes_sent)
+    section.add("pickled_bytes_received", "Bytes Pickled Back", run.bytes_received)
+    section.add("pool_start_s", "Pool Start-up (s)", run.pool_start_s)
+    section.add("pool_rebuilds", "Pool Rebuilds", run.pool_rebuilds)
+
+
+def generate_report(
+    mode: str,
+    duration: float,
+    perf: Sequence[StreamPerfMetrics],
+    *,
+    fmt: str,
+    width: int,
+    info: ExecutorInfo,
+    num_streams: int,
+    failed: int,
+    run: PhaseRun | None,
+) -> Metrics:
+    """Build the report of a prefill or decode phase.
+
+    Args:
+        mode: ``"prefill"`` (input tokens, TTFT) or ``"decode"`` (output
+            tokens, TTFT, TPOT, per-stream decode speed).
+        duration: Wall-clock seconds of the phase.
+        perf: The figures of the streams that succeeded.
+        fmt: Formatter name for ``emit()``.
+        width: Width for the terminal formatter.
+        info: The executor that ran it.
+        num_streams: Streams the phase ran.
+        failed: Streams that failed.
+        run: Transport figures, when a phase just ran.
+
+    Returns:
+        The report.
+    """
+    metrics = _new_report(
+        f"Batched Stream Metrics ({mode})", fmt, width, info, num_streams
+    )
+    results = metrics.add_section("results", "Results")
+    results.add("duration", "Total Duration (s)", duration)
+    input_tokens = sum(p.input_tokens for p in perf)
+    output_tokens = sum(p.output_tokens for p in perf)
+    ttft = [p.ttft for p in perf]
+    latency = metrics.add_section("latency", "Latency")
+    if mode == "prefill":
+        results.add("input_tokens", "Total Input Tokens", input_tokens)
+        results.add(
+            "input_tput",
+            "Input Throughput (tokens/s)",
+            input_tokens / duration if duration > 0 else 0.0,
+        )
+        for key, value in _ms(ttft, (50, 90, 99)).items():
+            latency.add(f"{key}_ttft_ms", f"{key.capitalize()} TTFT (ms)", value)
+    else:
+        results.add("output_tokens", "Total Output Tokens", output_tokens)
+        results.add(
+            "output_tput",
+            "Decode Throughput (tokens/s)",
+            output_tokens / duration if duration > 0 else 0.0,
+        )
+        tpot = [t for p in perf for t in p.tpot]
+        for key, value in _ms(ttft, (50, 99)).items():
+            latency.add(f"{key}_ttft_ms", f"{key.capitalize()} TTFT (ms)", value)
+        for key, value in _ms(tpot, (50, 99)).items():
+            latency.add(f"{key}_tpot_ms", f"{key.capitalize()} TPOT (ms)", value)
+        speeds = [p.output_tput for p in perf]
+        for key, value in summarize(speeds, (50,)).items():
+            label = f"{key.capitalize()} Per-Stream Decode Speed (tokens/s)"
+            latency.add(f"{key}_stream_tput", label, value)
+        latency.add(
+            "min_stream_tput",
+            "Slowest Stream Decode Speed (tokens/s)",
+            min(speeds, default=0.0),
+        )
+    results.add("failed_streams", "Failed Streams", failed)
+    reported = [p.cached_tokens for p in perf if p.cached_tokens is not None]
+    if reported:
+        cache = metrics.add_section("cache", "Prompt Cache")
+        cache.add("cache_hit_tokens", "Cache-Hit Tokens", sum(reported))
+        cache.add(
+            "computed_tokens", "Computed Prompt Tokens", input_tokens - sum(reported)
+        )
+    _add_transport(metrics, run)
+    return metrics
+
+
+def modify_report(
+    duration: float,
+    figures: Sequence[StreamModifyMetrics],
+    *,
+    fmt: str,
+    width: int,
+    info: ExecutorInfo,
+    num_streams: int,
+    failed: int,
+    run: PhaseRun | None,
+) -> Metrics:
+    """Build the report of a modify phase.
+
+    Args:
+        duration: Wall-clock seconds of the phase.
+        figures: The figures of the streams that were modified.
+        fmt: Formatter name for ``emit()``.
+        width: Width for the terminal formatter.
+        info: The executor that ran it.
+        num_streams: Streams the phase ran.
+        failed: Streams that failed.
+        run: Transport figures.
+
+    Returns:
+        The report.
+    """
+    metrics = _new_report(
+        "Batched Stream Modify Metrics", fmt, width, info, num_streams
+    )
+    results = metrics.add_section("results", "Results")
+    results.add("duration", "Total Duration (s)", duration)
+    results.add("streams_modified", "Streams Modified", len(figures))
+    results.add("failed_streams", "Failed Streams", failed)
+    results.add("tokens_before", "Tokens Before", sum(f.tokens_before for f in figures))
+    results.add("tokens_after", "Tokens After", sum(f.tokens_after for f in figures))
+    results.add("kv_bytes_in", "KV Bytes In", sum(f.kv_bytes_in for f in figures))
+    results.add("kv_bytes_out", "KV Bytes Out", sum(f.kv_bytes_out for f in figures))
+    times = [f.duration for f in figures]
+    results.add(
+        "p50_stream_modify_ms", "P50 Per-Stream Modify (ms)", _ms(times, (50,))["p50"]
+    )
+    results.add(
+        "max_stream_modify_ms",
+        "Max Per-Stream Modify (ms)",
+        max(times, default=0.0) * 1000.0,
+    )
+    _add_transport(metrics, run)
+    return metrics

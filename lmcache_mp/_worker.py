@@ -1,0 +1,208 @@
+"""What runs inside a worker process (and, for in-process executors, in
+the caller): rebuild a stream from its state, run the phase, hand back the
+new state and the figures.
+
+Nothing here touches the parent's objects; the boundary is the plain
+dataclasses of :mod:`lmcache_mp._phase`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import signal
+import threading
+import traceback
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import cloudpickle
+
+from lmcache_mp._phase import PhaseSpec, StreamJob, StreamOutcome
+from lmcache_mp.errors import LMCachePicklingError, LMCacheStreamError
+from lmcache_mp.stream import LMCacheStream
+
+__all__ = ["BLAS_ENV_VARS", "ShardTask", "initialize", "run_job", "run_shard"]
+
+#: Environment variables that cap the threads of the common BLAS/OpenMP
+#: runtimes; read when the library loads.
+BLAS_ENV_VARS = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """One task sent to a worker: some jobs of one phase.
+
+    Args:
+        spec_path: File holding the cloudpickled :class:`PhaseSpec`; the
+            spec is written once per phase and read once per worker, so a
+            large closure crosses no pipe at all.
+        spec_digest: Digest of that file's bytes (the worker's cache key).
+        jobs: The jobs.
+        job_nos: Phase-wide number of each job (names its marker file).
+        concurrent: Run the jobs on threads, all at once (prefill/decode
+            keep every request in flight, as upstream's thread per stream).
+        marker_dir: Where a job's marker file (holding the worker's pid)
+            lives while the job runs, so that the parent can tell which
+            streams a dead worker was running.
+    """
+
+    spec_path: str
+    spec_digest: str
+    jobs: list[StreamJob]
+    job_nos: list[int]
+    concurrent: bool
+    marker_dir: str
+
+
+_spec_lock = threading.Lock()
+# One spec only: a large closure is dropped as soon as the next phase starts.
+_cached_spec: tuple[str, PhaseSpec] | None = None
+
+
+def initialize(blas_threads: int | None, preload: Sequence[str]) -> None:
+    """Prepare a fresh worker process.
+
+    Ctrl-C is left to the parent, which stops the pool itself (a worker
+    interrupted mid-store would otherwise report a spurious failure).
+
+    Args:
+        blas_threads: Cap on BLAS/OpenMP threads, or ``None`` for no cap.
+        preload: Modules to import now rather than in every phase.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if blas_threads is not None:
+        limit_blas_threads(blas_threads)
+    for name in preload:
+        importlib.import_module(name)
+
+
+def limit_blas_threads(n: int) -> None:
+    """Cap BLAS/OpenMP threads in this process at ``n``.
+
+    Sets the environment variables (for runtimes loaded later, e.g. torch
+    imported by a modify fn) and, with threadpoolctl installed, also limits
+    the runtimes already loaded (numpy's BLAS).
+
+    Args:
+        n: The number of threads, at least 1.
+    """
+    for var in BLAS_ENV_VARS:
+        os.environ[var] = str(n)
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return
+    threadpool_limits(limits=n)
+
+
+def _load_spec(path: str, digest: str) -> PhaseSpec:
+    global _cached_spec
+    with _spec_lock:
+        if _cached_spec is not None and _cached_spec[0] == digest:
+            return _cached_spec[1]
+        _cached_spec = None  # drop the previous phase's spec before loading
+        with open(path, "rb") as f:
+            spec = cloudpickle.load(f)
+        if not isinstance(spec, PhaseSpec):
+            raise TypeError(f"{path} does not hold a PhaseSpec")
+        _cached_spec = (digest, spec)
+        return spec
+
+
+def run_job(spec: PhaseSpec, job: StreamJob, *, remote: bool) -> StreamOutcome:
+    """Run one stream's share of a phase; never raises for the stream's errors.
+
+    Args:
+        spec: The phase.
+        job: The stream's job; its state is used (and replaced) in place.
+        remote: Record the formatted traceback of an error (it does not
+            survive pickling, so a worker must send it as text).
+
+    Returns:
+        The new state and figures, or the error.
+    """
+    stream = LMCacheStream(
+        spec.contexts[job.ctx_index],
+        spec.engines[job.engine_index],
+        (),
+        job.cache_salt,
+        stream_id=job.stream_id,
+        state=job.state,
+    )
+    try:
+        if spec.kind == "generate":
+            perf = stream.generate(spec.sampling_params)
+            return StreamOutcome(job.stream_id, state=stream.state, perf=perf)
+        assert spec.fn is not None
+        modify = stream.modify_kv(spec.fn, spec.retrieve_timeout, spec.poll_interval)
+        return StreamOutcome(job.stream_id, state=stream.state, modify=modify)
+    except Exception as exc:
+        tb = "".join(traceback.format_exception(exc)) if remote else None
+        return StreamOutcome(job.stream_id, error=exc, traceback=tb)
+
+
+def _dump_outcome(outcome: StreamOutcome) -> bytes:
+    """Pickle an outcome; an unpicklable part fails this stream only."""
+    sid = outcome.stream_id
+    if outcome.error is not None:
+        try:
+            pickle.loads(pickle.dumps(outcome.error))
+        except Exception:
+            # Some exceptions cannot round-trip (custom __init__ signatures);
+            # keep their text, and the traceback that goes with it.
+            outcome.error = LMCacheStreamError(
+                f"stream {sid}: {type(outcome.error).__name__}: {outcome.error}", sid
+            )
+    try:
+        return pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        error = LMCachePicklingError(
+            f"stream {sid}: its result could not be pickled to send it back "
+            f"from the worker (is the modify fn's info picklable?): "
+            f"{type(exc).__name__}: {exc}"
+        )
+        failed = StreamOutcome(
+            sid, error=error, traceback="".join(traceback.format_exception(exc))
+        )
+        return pickle.dumps(failed, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _run_marked(task: ShardTask, spec: PhaseSpec, index: int) -> bytes:
+    marker = os.path.join(task.marker_dir, str(task.job_nos[index]))
+    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, str(os.getpid()).encode())
+    finally:
+        os.close(fd)
+    data = _dump_outcome(run_job(spec, task.jobs[index], remote=True))
+    os.unlink(marker)
+    return data
+
+
+def run_shard(payload: bytes) -> list[bytes]:
+    """Worker entry point: run a pickled :class:`ShardTask`.
+
+    Args:
+        payload: The pickled task (the parent pickles it itself to count
+            the bytes it sends).
+
+    Returns:
+        One pickled :class:`StreamOutcome` per job, in job order.
+    """
+    task: ShardTask = pickle.loads(payload)
+    spec = _load_spec(task.spec_path, task.spec_digest)
+    indices = range(len(task.jobs))
+    if task.concurrent and len(task.jobs) > 1:
+        with ThreadPoolExecutor(max_workers=len(task.jobs)) as threads:
+            return list(threads.map(lambda i: _run_marked(task, spec, i), indices))
+    return [_run_marked(task, spec, i) for i in indices]

@@ -1,0 +1,547 @@
+"""Many streams run together, phase by phase, as upstream ``lmcache.sdk.batch``.
+
+Each phase (prefill, modify, decode) snapshots the selected streams' state,
+runs it on the batch's executor, and commits each stream's new state only
+if that stream succeeded. A phase in which some streams failed still
+commits the others, then raises one :class:`LMCacheBatchedStreamError`
+naming every failed stream (upstream aborted on the first failure, leaving
+partial metrics).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import psutil
+
+from lmcache_mp._phase import PhaseSpec, StreamJob
+from lmcache_mp._pool import ForeignExecutor, ProcessExecutor
+from lmcache_mp._reports import ExecutorInfo, generate_report, modify_report
+from lmcache_mp.errors import LMCacheBatchedStreamError
+from lmcache_mp.executors import (
+    EXECUTOR_NAMES,
+    PhaseExecutor,
+    PhaseRun,
+    SerialExecutor,
+    ThreadExecutor,
+)
+from lmcache_mp.metrics import Metrics
+from lmcache_mp.stream import (
+    LMCacheStream,
+    ModifyFn,
+    StreamModifyMetrics,
+    StreamPerfMetrics,
+)
+
+__all__ = ["LMCacheBatchedStream", "LMCacheBatchedStreamError"]
+
+#: Share of available memory the KV of concurrently modified streams may use.
+_MODIFY_MEMORY_SHARE = 0.5
+#: Copies of a stream's KV alive during an edit: retrieved, fn's working
+#: copy, result.
+_KV_COPIES_PER_EDIT = 3
+
+
+def _make_executor(
+    executor: str | Executor | PhaseExecutor,
+    max_workers: int | None,
+    mp_context: str,
+    preload: Sequence[str],
+    blas_threads: int | None,
+) -> PhaseExecutor:
+    if isinstance(executor, PhaseExecutor):
+        return executor
+    if isinstance(executor, Executor):
+        return ForeignExecutor(executor)
+    if executor == "process":
+        return ProcessExecutor(max_workers, mp_context, preload, blas_threads)
+    if executor == "thread":
+        return ThreadExecutor(max_workers)
+    if executor == "serial":
+        return SerialExecutor()
+    raise ValueError(
+        f"unknown executor {executor!r}; choose one of {', '.join(EXECUTOR_NAMES)}"
+        " or pass a concurrent.futures.Executor"
+    )
+
+
+class LMCacheBatchedStream:
+    """A collection of streams run together, one phase at a time.
+
+    Args:
+        executor: ``"process"`` (default: a persistent pool of worker
+            processes, so CPU-heavy edits use every core), ``"thread"`` (one
+            thread per stream, upstream's design), ``"serial"``, or a
+            ``concurrent.futures.Executor`` the caller owns (not shut down
+            by :meth:`close`).
+        max_workers: Worker processes (``"process"``; default: physical
+            cores, at most the number of streams) or threads (``"thread"``;
+            default: one per stream).
+        mp_context: Start method for ``"process"``: ``"spawn"`` (default),
+            ``"forkserver"`` or ``"fork"``.
+        preload: Modules each worker imports once at start (``"process"``).
+        blas_threads: BLAS threads per worker (default: cores // workers).
+        max_in_flight: Streams whose KV may be in memory at once during a
+            modify (default: as many as fit in half the available memory).
+        timeout: Default phase timeout in seconds (``None``: no limit).
+
+    Attributes:
+        streams: Member streams keyed by stream id.
+        perf_metrics: Latest :class:`StreamPerfMetrics` per stream id,
+            replaced by every prefill/decode.
+        modify_metrics: Latest :class:`StreamModifyMetrics` per stream id,
+            replaced by every modify; ``.info`` holds what the fn reported.
+
+    Raises:
+        ValueError: For an unknown executor or start method.
+    """
+
+    def __init__(
+        self,
+        executor: str | Executor | PhaseExecutor = "process",
+        *,
+        max_workers: int | None = None,
+        mp_context: str = "spawn",
+        preload: Sequence[str] = (),
+        blas_threads: int | None = None,
+        max_in_flight: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        self.streams: dict[str, LMCacheStream] = {}
+        self.perf_metrics: dict[str, StreamPerfMetrics] = {}
+        self.modify_metrics: dict[str, StreamModifyMetrics] = {}
+        self._executor = _make_executor(
+            executor, max_workers, mp_context, preload, blas_threads
+        )
+        self._max_in_flight = max_in_flight
+        self._timeout = timeout
+        self._last_run: PhaseRun | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        # Stops the workers when an unclosed batch is collected or at exit.
+        self._finalizer = weakref.finalize(self, self._executor.close)
+
+    # -- registry --------------------------------------------------------------
+
+    def add(self, stream: LMCacheStream) -> None:
+        """Add a stream to the batch, keyed by its stream id.
+
+        Args:
+            stream: The stream to add.
+
+        Raises:
+            LMCacheBatchedStreamError: If a stream with that id is in the
+                batch, or ``stream`` is not an :class:`LMCacheStream`.
+        """
+        if not isinstance(stream, LMCacheStream):
+            raise LMCacheBatchedStreamError(
+                f"add() takes an LMCacheStream, got {type(stream).__name__}"
+            )
+        sid = stream.stream_id()
+        if sid in self.streams:
+            raise LMCacheBatchedStreamError(f"stream {sid} is already in the batch")
+        self.streams[sid] = stream
+
+    def get_stream(self, stream_id: str) -> LMCacheStream:
+        """Return the stream registered under ``stream_id``.
+
+        Raises:
+            LMCacheBatchedStreamError: If no stream has that id.
+        """
+        if stream_id not in self.streams:
+            raise LMCacheBatchedStreamError(f"stream {stream_id} is not in the batch")
+        return self.streams[stream_id]
+
+    @property
+    def executor(self) -> PhaseExecutor:
+        """The executor that runs the phases."""
+        return self._executor
+
+    def _select(self, stream_ids: Sequence[str] | None) -> list[str]:
+        if self._closed:
+            raise LMCacheBatchedStreamError("the batch is closed")
+        if stream_ids is None:
+            return list(self.streams)
+        if isinstance(stream_ids, str):
+            raise LMCacheBatchedStreamError(
+                f"stream_ids must be a list of ids, got the string {stream_ids!r}"
+            )
+        seen: set[str] = set()
+        for sid in stream_ids:
+            if sid not in self.streams:
+                raise LMCacheBatchedStreamError(f"stream {sid} is not in the batch")
+            if sid in seen:
+                raise LMCacheBatchedStreamError(f"stream {sid} is selected twice")
+            seen.add(sid)
+        return list(stream_ids)
+
+    # -- running a phase ---------------------------------------------------------
+
+    def _run(
+        self, ids: list[str], timeout: float | None, **spec_args: Any
+    ) -> tuple[float, dict[str, BaseException]]:
+        """Run a phase over ``ids``; commit the successes; return failures."""
+        contexts: dict[int, int] = {}
+        engines: dict[int, int] = {}
+        jobs = []
+        for sid in ids:
+            s = self.streams[sid]
+            ci = contexts.setdefault(id(s.ctx), len(contexts))
+            ei = engines.setdefault(id(s.post_completion), len(engines))
+            jobs.append(StreamJob(sid, s.cache_salt, ci, ei, s.state.copy()))
+        by_id = {id(s.ctx): s.ctx for s in self.streams.values()}
+        by_engine = {
+            id(s.post_completion): s.post_completion for s in self.streams.values()
+        }
+        spec = PhaseSpec(
+            contexts=tuple(by_id[k] for k in contexts),
+            engines=tuple(by_engine[k] for k in engines),
+            **spec_args,
+        )
+        max_in_flight = self._modify_bound(ids) if spec.kind == "modify" else None
+        with self._lock:
+            start = time.perf_counter()
+            run = self._executor.run(
+                spec,
+                jobs,
+                timeout=self._timeout if timeout is None else timeout,
+                max_in_flight=max_in_flight,
+            )
+            duration = time.perf_counter() - start
+        self._last_run = run
+        failures: dict[str, BaseException] = {}
+        for sid in ids:
+            outcome = run.outcomes[sid]
+            if outcome.error is not None or outcome.state is None:
+                failures[sid] = outcome.error or RuntimeError("no state came back")
+                continue
+            self.streams[sid].state = outcome.state
+            if outcome.perf is not None:
+                self.perf_metrics[sid] = outcome.perf
+            if outcome.modify is not None:
+                self.modify_metrics[sid] = outcome.modify
+        return duration, failures
+
+    def _modify_bound(self, ids: list[str]) -> int | None:
+        """How many streams may hold their KV in memory at once."""
+        if self._max_in_flight is not None:
+            return self._max_in_flight
+        per_token = 0
+        for sid in ids:
+            layout = getattr(self.streams[sid].ctx, "layout", None)
+            if layout is not None:
+                layers, width, dtype = layout
+                per_token = max(
+                    per_token, 2 * layers * width * np.dtype(dtype).itemsize
+                )
+        if per_token == 0:
+            return None
+        longest = max(len(self.streams[sid].tokens) for sid in ids)
+        need = _KV_COPIES_PER_EDIT * per_token * max(1, longest)
+        budget = psutil.virtual_memory().available * _MODIFY_MEMORY_SHARE
+        return max(1, int(budget // need))
+
+    def _raise_failures(
+        self,
+        phase: str,
+        ids: list[str],
+        failures: dict[str, BaseException],
+        metrics: Metrics,
+    ) -> None:
+        if not failures:
+            return
+        details = "; ".join(
+            f"{sid}: {type(exc).__name__}: {exc}" for sid, exc in failures.items()
+        )
+        raise LMCacheBatchedStreamError(
+            f"{len(failures)} of {len(ids)} streams failed in {phase} "
+            f"(the others committed): {details}",
+            failures,
+            metrics,
+        )
+
+    def _info(self) -> ExecutorInfo:
+        return ExecutorInfo(self._executor.name, self._executor.workers)
+
+    # -- upstream's lower-level API ----------------------------------------------
+
+    def run_streams(
+        self,
+        sampling_params: dict[str, Any],
+        stream_ids: list[str] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> float:
+        """Run ``generate(sampling_params)`` on every selected stream at once.
+
+        Every request is in flight at the same time, as upstream's thread
+        per stream, whatever the executor's worker count. Each stream's
+        :class:`StreamPerfMetrics` lands in :attr:`perf_metrics`.
+
+        Args:
+            sampling_params: Engine sampling params for every stream.
+            stream_ids: Streams to run; ``None`` means all.
+            timeout: Phase timeout in seconds (default: the batch's).
+
+        Returns:
+            Wall-clock duration in seconds (0.0 when nothing was selected).
+
+        Raises:
+            LMCacheBatchedStreamError: For an unknown stream id, or when
+                streams failed (the others committed; ``.failures`` maps
+                each failed id to its exception).
+        """
+        duration, _ = self._generate("decode", sampling_params, stream_ids, timeout)
+        return duration
+
+    def _generate(
+        self,
+        mode: str,
+        sampling_params: dict[str, Any],
+        stream_ids: list[str] | None,
+        timeout: float | None,
+        fmt: str = "terminal",
+        width: int = 80,
+    ) -> tuple[float, Metrics]:
+        ids = self._select(stream_ids)
+        self.perf_metrics.clear()
+        if not ids:
+            return 0.0, self.get_perf_metrics(0.0, fmt, width, mode, ids)
+        duration, failures = self._run(
+            ids, timeout, kind="generate", sampling_params=dict(sampling_params)
+        )
+        metrics = self.get_perf_metrics(duration, fmt, width, mode, ids)
+        self._raise_failures(mode, ids, failures, metrics)
+        return duration, metrics
+
+    def modify_stream(
+        self,
+        fn: ModifyFn,
+        stream_ids: list[str] | None = None,
+        timeout: float = 30.0,
+        poll_interval: float = 0.2,
+        *,
+        phase_timeout: float | None = None,
+    ) -> float:
+        """Apply ``fn`` to every selected stream's KV (``modify_kv``).
+
+        Args:
+            fn: ``fn(kv, tokens) -> (new_kv, new_tokens[, info])``.
+            stream_ids: Streams to modify; ``None`` means all.
+            timeout: Seconds each stream waits for its cached KV (upstream's
+                meaning of ``timeout`` here).
+            poll_interval: Seconds between retrieve attempts.
+            phase_timeout: Phase timeout in seconds (default: the batch's).
+
+        Returns:
+            Wall-clock duration in seconds (0.0 when nothing was selected).
+
+        Raises:
+            LMCachePicklingError: If ``fn`` cannot be sent to the workers;
+                no stream is touched.
+            LMCacheBatchedStreamError: For an unknown stream id, or when
+                streams failed (the others committed).
+        """
+        duration, _ = self._modify(
+            fn, stream_ids, timeout, poll_interval, phase_timeout
+        )
+        return duration
+
+    def _modify(
+        self,
+        fn: ModifyFn,
+        stream_ids: list[str] | None,
+        retrieve_timeout: float,
+        poll_interval: float,
+        timeout: float | None,
+        fmt: str = "terminal",
+        width: int = 80,
+    ) -> tuple[float, Metrics]:
+        if not callable(fn):
+            raise TypeError(f"modify fn must be callable, got {type(fn).__name__}")
+        ids = self._select(stream_ids)
+        self.modify_metrics.clear()
+        duration, failures = 0.0, {}
+        if ids:
+            duration, failures = self._run(
+                ids,
+                timeout,
+                kind="modify",
+                fn=fn,
+                retrieve_timeout=retrieve_timeout,
+                poll_interval=poll_interval,
+            )
+        metrics = modify_report(
+            duration,
+            [self.modify_metrics[s] for s in ids if s in self.modify_metrics],
+            fmt=fmt,
+            width=width,
+            info=self._info(),
+            num_streams=len(ids),
+            failed=len(failures),
+            run=self._last_run if ids else None,
+        )
+        self._raise_failures("modify", ids, failures, metrics)
+        return duration, metrics
+
+    def get_perf_metrics(
+        self,
+        duration: float,
+        fmt: str,
+        width: int,
+        mode: str,
+        stream_ids: list[str] | None = None,
+    ) -> Metrics:
+        """Aggregate the stored per-stream figures into a report.
+
+        Args:
+            duration: Phase wall-clock seconds, for throughput.
+            fmt: Formatter for ``emit()``: ``"terminal"``, ``"json"`` or
+                ``"markdown"``.
+            width: Width for the terminal formatter.
+            mode: ``"prefill"`` or ``"decode"``.
+            stream_ids: Streams to include; ``None`` means all.
+
+        Returns:
+            The report.
+
+        Raises:
+            LMCacheBatchedStreamError: If ``mode`` is not prefill/decode.
+            ValueError: If ``fmt`` is not a known format.
+        """
+        if mode not in ("prefill", "decode"):
+            raise LMCacheBatchedStreamError(
+                f"invalid mode {mode!r}; choose 'prefill' or 'decode'"
+            )
+        ids = list(self.streams) if stream_ids is None else list(stream_ids)
+        perf = [self.perf_metrics[s] for s in ids if s in self.perf_metrics]
+        return generate_report(
+            mode,
+            duration,
+            perf,
+            fmt=fmt,
+            width=width,
+            info=self._info(),
+            num_streams=len(ids),
+            failed=len(ids) - len(perf),
+            run=self._last_run if ids else None,
+        )
+
+    # -- upstream's three phases -------------------------------------------------
+
+    def prefill(
+        self,
+        sampling_params: dict[str, Any],
+        fmt: str = "terminal",
+        width: int = 80,
+        stream_ids: list[str] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> Metrics:
+        """Prefill every selected stream once (``max_tokens`` forced to 1).
+
+        Args:
+            sampling_params: Engine sampling params; not mutated.
+            fmt: Formatter for ``emit()``.
+            width: Width for the terminal formatter.
+            stream_ids: Streams to run; ``None`` means all.
+            timeout: Phase timeout in seconds (default: the batch's).
+
+        Returns:
+            The prefill report (input tokens and throughput, TTFT).
+
+        Raises:
+            LMCacheBatchedStreamError: As :meth:`run_streams`; its
+                ``.metrics`` holds the report of the streams that succeeded.
+        """
+        params = {**sampling_params, "max_tokens": 1}
+        return self._generate("prefill", params, stream_ids, timeout, fmt, width)[1]
+
+    def modify(
+        self,
+        fn: ModifyFn,
+        fmt: str = "terminal",
+        width: int = 80,
+        stream_ids: list[str] | None = None,
+        *,
+        timeout: float | None = None,
+        retrieve_timeout: float = 30.0,
+        poll_interval: float = 0.2,
+    ) -> Metrics:
+        """Apply a KV edit to every selected stream and report it.
+
+        Args:
+            fn: ``fn(kv, tokens) -> (new_kv, new_tokens[, info])``; any
+                callable cloudpickle can ship (lambdas and closures too).
+            fmt: Formatter for ``emit()``.
+            width: Width for the terminal formatter.
+            stream_ids: Streams to modify; ``None`` means all.
+            timeout: Phase timeout in seconds (default: the batch's).
+            retrieve_timeout: Seconds each stream waits for its cached KV.
+            poll_interval: Seconds between retrieve attempts.
+
+        Returns:
+            The modify report (duration, tokens and KV bytes before/after,
+            per-stream edit time).
+
+        Raises:
+            LMCachePicklingError: If ``fn`` cannot be sent to the workers.
+            LMCacheBatchedStreamError: As :meth:`modify_stream`.
+        """
+        return self._modify(
+            fn, stream_ids, retrieve_timeout, poll_interval, timeout, fmt, width
+        )[1]
+
+    def decode(
+        self,
+        sampling_params: dict[str, Any],
+        fmt: str = "terminal",
+        width: int = 80,
+        stream_ids: list[str] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> Metrics:
+        """Decode every selected stream and report it.
+
+        Args:
+            sampling_params: Engine sampling params (``max_tokens``, ...).
+            fmt: Formatter for ``emit()``.
+            width: Width for the terminal formatter.
+            stream_ids: Streams to run; ``None`` means all.
+            timeout: Phase timeout in seconds (default: the batch's).
+
+        Returns:
+            The decode report (output tokens and throughput, TTFT, TPOT,
+            per-stream decode speed, cache hits).
+
+        Raises:
+            LMCacheBatchedStreamError: As :meth:`run_streams`.
+        """
+        return self._generate(
+            "decode", sampling_params, stream_ids, timeout, fmt, width
+        )[1]
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the executor's workers (not a caller-owned executor's)."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> LMCacheBatchedStream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
