@@ -500,14 +500,10 @@ class ProcessExecutor(_ShardExecutor):
             for proc in procs.values():
                 with contextlib.suppress(Exception):
                     proc.kill()
-        pool.shutdown(wait=False, cancel_futures=True)
-        for proc in procs.values():
-            proc.join(_JOIN_TIMEOUT)
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join(_JOIN_TIMEOUT)
-        # Joins the pool's manager thread: nothing of the pool outlives this.
-        pool.shutdown(wait=True)
+        # Joins the pool's manager thread, which joins every worker. Only that
+        # thread may join them: a second reader of a forkserver child's exit
+        # status finds the pipe drained and reports 255.
+        pool.shutdown(wait=True, cancel_futures=True)
 
     def _on_timeout(self) -> None:
         self._discard(kill=True)
