@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lmcache_mp.kv import KVContext
-from lmcache_mp.stream import (
+from lmcache_mp._records import (
     ModifyFn,
     PostCompletion,
     StreamModifyMetrics,
     StreamPerfMetrics,
     StreamState,
 )
+from lmcache_mp.kv import KVContext
 
 __all__ = ["PhaseKind", "PhaseSpec", "StreamJob", "StreamOutcome"]
 

@@ -368,7 +368,7 @@ class LMCacheBatchedStream:
             raise TypeError(f"modify fn must be callable, got {type(fn).__name__}")
         ids = self._select(stream_ids)
         self.modify_metrics.clear()
-        duration, failures = 0.0, {}
+        duration, failures = 0.0, dict[str, BaseException]()
         if ids:
             duration, failures = self._run(
                 ids,

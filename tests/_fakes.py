@@ -94,7 +94,10 @@ class FlakyEngine(FakeEngine):
     """Yields one token, then fails as a dropped connection would."""
 
     def __call__(
-        self, prompt_token_ids: list[int], sampling_params: dict[str, Any], cache_salt: str
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: dict[str, Any],
+        cache_salt: str,
     ) -> Iterator[TokenEvent]:
         yield TokenEvent(1, "x")
         raise ConnectionError("engine connection reset mid-stream")
@@ -104,7 +107,10 @@ class BadEventEngine(FakeEngine):
     """Yields bare ints instead of token events."""
 
     def __call__(  # type: ignore[override]
-        self, prompt_token_ids: list[int], sampling_params: dict[str, Any], cache_salt: str
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: dict[str, Any],
+        cache_salt: str,
     ) -> Iterator[int]:
         yield 7
 
@@ -117,14 +123,19 @@ class FileBarrierEngine(FakeEngine):
     times out raises, so a run that is not fully concurrent fails fast.
     """
 
-    def __init__(self, ctx: Any, directory: str, parties: int, timeout: float = 20.0) -> None:
+    def __init__(
+        self, ctx: Any, directory: str, parties: int, timeout: float = 20.0
+    ) -> None:
         super().__init__(ctx)
         self.directory = directory
         self.parties = parties
         self.timeout = timeout
 
     def __call__(
-        self, prompt_token_ids: list[int], sampling_params: dict[str, Any], cache_salt: str
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: dict[str, Any],
+        cache_salt: str,
     ) -> Iterator[TokenEvent]:
         import os
         import time
@@ -134,6 +145,8 @@ class FileBarrierEngine(FakeEngine):
         deadline = time.monotonic() + self.timeout
         while len(os.listdir(self.directory)) < self.parties:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"only {len(os.listdir(self.directory))} requests in flight")
+                raise TimeoutError(
+                    f"only {len(os.listdir(self.directory))} requests in flight"
+                )
             time.sleep(0.01)
         yield from super().__call__(prompt_token_ids, sampling_params, cache_salt)

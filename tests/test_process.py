@@ -152,7 +152,7 @@ def test_an_unpicklable_fn_fails_before_any_stream_is_touched(
     with _batch(store, start_method) as batch:
         batch.prefill({})
         before = {sid: s.state.copy() for sid, s in batch.streams.items()}
-        with pytest.raises(LMCachePicklingError, match="modify fn .*locked.*lock"):
+        with pytest.raises(LMCachePicklingError, match=r"modify fn .*locked.*lock"):
             batch.modify(locked)
         assert {sid: s.state for sid, s in batch.streams.items()} == before
 

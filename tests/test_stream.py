@@ -68,10 +68,8 @@ def test_output_tokens_are_the_generated_ids_not_the_prompt(
     s.generate({"max_tokens": 2})
     s.generate({"max_tokens": 1})
     assert s.output_tokens() == s.tokens[1:]
-    assert (
-        5 not in s.output_tokens()[:1]
-        or s.output_tokens()[0] == 5
-        and len(s.output_tokens()) == 3
+    assert 5 not in s.output_tokens()[:1] or (
+        s.output_tokens()[0] == 5 and len(s.output_tokens()) == 3
     )
     assert len(s.output_tokens()) == 3
 

@@ -1,0 +1,273 @@
+"""Shipping a phase to a ``concurrent.futures`` executor, shard by shard.
+
+The parent side of the data flow drawn in :mod:`lmcache_mp._pool`: the
+phase spec goes to a private file once, the jobs go out a few per task, and
+one pickled outcome per job comes back. What a broken executor loses is
+handed to the subclass (rebuild and retry, or fail).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import hashlib
+import os
+import pickle
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+import cloudpickle
+
+from lmcache_mp._paths import private_tempdir, remove_tree
+from lmcache_mp._phase import PhaseSpec, StreamJob, StreamOutcome
+from lmcache_mp._worker import ShardTask, run_shard
+from lmcache_mp.errors import (
+    LMCachePicklingError,
+    LMCacheStreamError,
+    RemoteTraceback,
+    TerminatedWorkerError,
+)
+from lmcache_mp.executors import PhaseExecutor, PhaseRun, timeout_outcome
+
+__all__ = ["JOIN_TIMEOUT", "ShardExecutor", "fail_all", "pickle_spec"]
+
+#: Times a phase rebuilds a broken pool before failing what is left.
+_MAX_ROUNDS = 3
+#: Seconds to wait for workers to start, or to exit when closing.
+JOIN_TIMEOUT = 60.0
+#: Modify jobs per task: enough tasks (4 per worker) to balance the load,
+#: few enough that a ~0.2 ms round trip is amortised over several streams.
+_TASKS_PER_WORKER = 4
+
+
+def pickle_spec(spec: PhaseSpec) -> bytes:
+    """Cloudpickle a phase, naming what cannot be pickled.
+
+    Raises:
+        LMCachePicklingError: If the fn, a context or an engine cannot be
+            pickled; raised before any stream is touched.
+    """
+    try:
+        return bytes(cloudpickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as exc:
+        parts: list[tuple[str, Any]] = [("the modify fn", spec.fn)]
+        parts += [("the KV context", c) for c in spec.contexts]
+        parts += [("the post_completion", e) for e in spec.engines]
+        for what, obj in parts:
+            try:
+                cloudpickle.dumps(obj)
+            except Exception as inner:
+                raise LMCachePicklingError(
+                    f"cannot send {what} {obj!r} to the worker processes: "
+                    f"{type(inner).__name__}: {inner}"
+                ) from inner
+        raise LMCachePicklingError(
+            f"cannot send the {spec.kind} phase to the worker processes: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _shards(concurrent: bool, pending: list[int], workers: int) -> list[list[int]]:
+    """Split job numbers into tasks.
+
+    Prefill/decode (``concurrent``): one task per worker, round robin, all
+    run at once. Modify: consecutive runs of a few jobs, pulled as workers
+    free up.
+    """
+    if concurrent:
+        n = min(workers, len(pending))
+        return [pending[i::n] for i in range(n)]
+    size = max(1, -(-len(pending) // (workers * _TASKS_PER_WORKER)))
+    return [pending[i : i + size] for i in range(0, len(pending), size)]
+
+
+def fail_all(
+    result: PhaseRun, jobs: list[StreamJob], nos: Sequence[int], exc: BaseException
+) -> None:
+    for no in nos:
+        sid = jobs[no].stream_id
+        error = LMCacheStreamError(
+            f"stream {sid}: the worker could not run its task: "
+            f"{type(exc).__name__}: {exc}",
+            sid,
+        )
+        error.__cause__ = exc
+        result.outcomes[sid] = StreamOutcome(sid, error=error)
+
+
+class ShardExecutor(PhaseExecutor):
+    """Ships phases to a ``concurrent.futures`` executor as shard tasks."""
+
+    def __init__(self) -> None:
+        self._dir: str | None = None
+        self._phase_no = 0
+
+    @abc.abstractmethod
+    def _executor(self, n_jobs: int, result: PhaseRun) -> Executor:
+        """Return the executor to submit to, starting it if needed."""
+
+    @abc.abstractmethod
+    def _after_break(
+        self, jobs: list[StreamJob], lost: list[int], marker_dir: str, result: PhaseRun
+    ) -> list[int]:
+        """Fail what a broken executor lost; return what to run again."""
+
+    def _on_timeout(self) -> None:
+        """Stop what still runs after a phase timeout."""
+
+    def _abort(self) -> None:
+        """Stop everything now (Ctrl-C in the parent)."""
+
+    def run(
+        self,
+        spec: PhaseSpec,
+        jobs: list[StreamJob],
+        *,
+        timeout: float | None = None,
+        max_in_flight: int | None = None,
+    ) -> PhaseRun:
+        """Run the jobs in worker processes; see :meth:`PhaseExecutor.run`."""
+        result = PhaseRun()
+        if not jobs:
+            return result
+        blob = pickle_spec(spec)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._dir is None:
+            self._dir = private_tempdir("lmcache-mp-pool-")
+        self._phase_no += 1
+        digest = hashlib.blake2b(blob, digest_size=16).hexdigest()
+        spec_path = os.path.join(self._dir, f"spec-{digest}")
+        marker_dir = os.path.join(self._dir, f"phase-{self._phase_no}")
+        with open(os.open(spec_path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+            f.write(blob)
+        os.mkdir(marker_dir, 0o700)
+        result.bytes_sent += len(blob)
+        try:
+            pending = list(range(len(jobs)))
+            for _ in range(_MAX_ROUNDS):
+                executor = self._executor(len(jobs), result)
+                task = ShardTask(
+                    spec_path, digest, [], [], spec.kind == "generate", marker_dir
+                )
+                lost = self._dispatch(
+                    executor,
+                    task,
+                    jobs,
+                    pending,
+                    deadline,
+                    timeout,
+                    max_in_flight,
+                    result,
+                )
+                if not lost:
+                    break
+                pending = self._after_break(jobs, lost, marker_dir, result)
+                for name in os.listdir(marker_dir):
+                    os.unlink(os.path.join(marker_dir, name))
+                if not pending:
+                    break
+            else:
+                error = TerminatedWorkerError(
+                    f"worker processes died in {_MAX_ROUNDS} pools in a row"
+                )
+                fail_all(result, jobs, pending, error)
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            remove_tree(marker_dir)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(spec_path)
+        return result
+
+    def _dispatch(
+        self,
+        executor: Executor,
+        template: ShardTask,
+        jobs: list[StreamJob],
+        pending: list[int],
+        deadline: float | None,
+        timeout: float | None,
+        max_in_flight: int | None,
+        result: PhaseRun,
+    ) -> list[int]:
+        """Submit the pending jobs and collect outcomes.
+
+        Returns:
+            The job numbers lost to a broken executor (empty otherwise).
+        """
+        workers = max(1, self.workers)
+        queue = deque(_shards(template.concurrent, pending, workers))
+        if template.concurrent:
+            limit = len(queue)
+        else:
+            limit = 2 * workers if max_in_flight is None else max(1, max_in_flight)
+        running: dict[Future[list[bytes]], list[int]] = {}
+        lost: list[int] = []
+        while (queue or running) and not lost:
+            while queue and len(running) < limit:
+                nos = queue.popleft()
+                task = dataclasses.replace(
+                    template, jobs=[jobs[no] for no in nos], job_nos=nos
+                )
+                payload = pickle.dumps(task, protocol=pickle.HIGHEST_PROTOCOL)
+                try:
+                    future = executor.submit(run_shard, payload)
+                except BrokenProcessPool:
+                    lost.extend(nos)
+                    break
+                result.bytes_sent += len(payload)
+                running[future] = nos
+            remaining = (
+                None if deadline is None else max(0.0, deadline - time.monotonic())
+            )
+            done, _ = wait(running, timeout=remaining, return_when=FIRST_COMPLETED)
+            if not done and not lost:
+                for nos in [*running.values(), *queue]:
+                    for no in nos:
+                        result.outcomes[jobs[no].stream_id] = timeout_outcome(
+                            jobs[no], timeout
+                        )
+                self._on_timeout()
+                return []
+            for future in done:
+                lost += self._collect(future, running.pop(future), jobs, result)
+        if lost:
+            # A broken pool fails every pending future at once; keep the
+            # outcomes that made it back before the break.
+            done, _ = wait(running, timeout=JOIN_TIMEOUT)
+            for future, nos in running.items():
+                lost += (
+                    self._collect(future, nos, jobs, result) if future in done else nos
+                )
+            for nos in queue:
+                lost += nos
+        return lost
+
+    def _collect(
+        self,
+        future: Future[list[bytes]],
+        nos: list[int],
+        jobs: list[StreamJob],
+        result: PhaseRun,
+    ) -> list[int]:
+        """Record a finished task's outcomes; return its jobs if it was lost."""
+        try:
+            blobs = future.result()
+        except BrokenProcessPool:
+            return nos
+        except Exception as exc:
+            fail_all(result, jobs, nos, exc)
+            return []
+        for blob in blobs:
+            result.bytes_received += len(blob)
+            outcome: StreamOutcome = pickle.loads(blob)
+            if outcome.error is not None and outcome.traceback:
+                outcome.error.__cause__ = RemoteTraceback(outcome.traceback)
+            result.outcomes[outcome.stream_id] = outcome
+        return []
