@@ -1,0 +1,31 @@
+"""Ready-made modify fns: token dropping, windows, quantization, workloads.
+
+Each edit is a small frozen dataclass ``edit(kv, tokens) -> (new_kv,
+new_tokens, info)`` taking a ``[2, L, T, D]`` numpy KV; it pickles by
+reference, so it travels to worker processes for a few hundred bytes, and
+its result depends only on its parameters and its input.
+"""
+
+from lmcache_mp.edits._base import Edit, EditResult
+from lmcache_mp.edits._drop import RandomDrop
+from lmcache_mp.edits._identity import Identity
+from lmcache_mp.edits._quantize import Quantize
+from lmcache_mp.edits._redundancy import RedundancyDrop
+from lmcache_mp.edits._registry import EDITS, make_edit
+from lmcache_mp.edits._scorer import PyTokenScorer
+from lmcache_mp.edits._select import keep_indices
+from lmcache_mp.edits._window import RecentWindow
+
+__all__ = [
+    "EDITS",
+    "Edit",
+    "EditResult",
+    "Identity",
+    "PyTokenScorer",
+    "Quantize",
+    "RandomDrop",
+    "RecentWindow",
+    "RedundancyDrop",
+    "keep_indices",
+    "make_edit",
+]

@@ -1,0 +1,67 @@
+"""The ready-made edits by name."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from lmcache_mp.edits._base import Edit
+from lmcache_mp.edits._drop import RandomDrop
+from lmcache_mp.edits._identity import Identity
+from lmcache_mp.edits._quantize import Quantize
+from lmcache_mp.edits._redundancy import RedundancyDrop
+from lmcache_mp.edits._scorer import PyTokenScorer
+from lmcache_mp.edits._window import RecentWindow
+
+__all__ = ["EDITS", "make_edit"]
+
+#: Edit name (as used by ``make_edit`` and the benchmark) to edit class.
+EDITS: Mapping[str, type[Edit]] = MappingProxyType(
+    {
+        cls.name: cls
+        for cls in (
+            RandomDrop,
+            RecentWindow,
+            RedundancyDrop,
+            Quantize,
+            PyTokenScorer,
+            Identity,
+        )
+    }
+)
+
+
+def make_edit(name: str, **params: Any) -> Edit:
+    """Build a ready-made edit from its name and parameters.
+
+    Args:
+        name: A key of :data:`EDITS`: ``"random"``, ``"window"``,
+            ``"redundancy"``, ``"quantize"``, ``"pyscore"`` or
+            ``"identity"``.
+        **params: The edit's parameters (its class's fields).
+
+    Returns:
+        The edit, a picklable ``fn(kv, tokens) -> (new_kv, new_tokens, info)``.
+
+    Raises:
+        ValueError: If ``name`` is unknown (the message lists the known
+            names) or a parameter value is out of range (the message names
+            it).
+        TypeError: If a parameter is not one of the edit's (the message
+            names it and lists the accepted ones).
+    """
+    cls = EDITS.get(name)
+    if cls is None:
+        raise ValueError(
+            f"unknown edit {name!r}; known edits: {', '.join(sorted(EDITS))}"
+        )
+    accepted = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise TypeError(
+            f"edit {name!r} has no parameter {', '.join(map(repr, unknown))}; "
+            f"its parameters: {', '.join(accepted) or '(none)'}"
+        )
+    return cls(**params)

@@ -1,0 +1,226 @@
+"""The embedded engine: a ``post_completion`` callable over a KV context."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from lmcache_mp._arrays import as_numpy
+from lmcache_mp.engine._config import EngineConfig
+from lmcache_mp.engine._model import KVSequence
+from lmcache_mp.engine._sampling import Sampler, SamplingParams
+from lmcache_mp.engine._vocab import ToyVocab
+from lmcache_mp.errors import StreamInputError
+from lmcache_mp.kv import KVContext
+from lmcache_mp.stream import TokenEvent
+
+__all__ = ["EmbeddedEngine", "EngineStats"]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Totals over every call an engine has served in this process.
+
+    Args:
+        calls: Calls whose prompt was prefilled.
+        prompt_tokens: Prompt tokens of those calls.
+        cached_tokens: Prompt tokens whose KV came from the context.
+        computed_tokens: Prompt tokens run through the model
+            (``prompt_tokens - cached_tokens``).
+        generated_tokens: Tokens yielded.
+    """
+
+    calls: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+
+    def __add__(self, other: EngineStats) -> EngineStats:
+        """Return the field-by-field sum of two totals."""
+        return EngineStats(
+            *(getattr(self, f.name) + getattr(other, f.name) for f in fields(self))
+        )
+
+
+class EmbeddedEngine:
+    """A small deterministic transformer, used like vLLM with LMCache.
+
+    Each call looks up the longest cached prefix of the prompt in ``ctx``,
+    reuses that KV as it is stored (edited or not) instead of recomputing
+    it, computes the rest of the prompt, stores the prompt's full chunks
+    back, then decodes token by token. When the whole prompt is cached, its
+    last token is still computed (its logits start the decode), so at most
+    ``len(prompt) - 1`` tokens are reused.
+
+    The arithmetic is exact fixed point (see ``_fixed``), so a cache hit
+    on unmodified KV yields exactly the tokens a cold run yields, and the
+    same prompt, params and seed yield the same tokens in any process.
+
+    An engine pickles as its config and context only; each process builds
+    the weights once, on first use, and shares them between engines. The
+    totals of :meth:`stats` are per process: an unpickled copy starts at 0.
+
+    Args:
+        ctx: The KV context to retrieve from and store to.
+        config: The model; ``EngineConfig()`` by default.
+    """
+
+    def __init__(self, ctx: KVContext, config: EngineConfig | None = None) -> None:
+        self._ctx = ctx
+        self._config = config if config is not None else EngineConfig()
+        self._vocab = ToyVocab(self._config.vocab_size, self._config.eos_token_id)
+        self._stats = EngineStats()
+        self._lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self._ctx, self._config))
+
+    def __repr__(self) -> str:
+        return f"EmbeddedEngine({self._ctx!r}, {self._config!r})"
+
+    @property
+    def ctx(self) -> KVContext:
+        """The KV context the engine reads and writes."""
+        return self._ctx
+
+    @property
+    def config(self) -> EngineConfig:
+        """The model's configuration."""
+        return self._config
+
+    @property
+    def vocab(self) -> ToyVocab:
+        """The model's vocabulary."""
+        return self._vocab
+
+    def tokenize(self, text: str) -> list[int]:
+        """Return the token ids of a text; see :meth:`ToyVocab.tokenize`.
+
+        Args:
+            text: The text.
+
+        Returns:
+            The token ids.
+        """
+        return self._vocab.tokenize(text)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Return the text of token ids; see :meth:`ToyVocab.detokenize`.
+
+        Args:
+            token_ids: Token ids in the vocabulary.
+
+        Returns:
+            The text.
+
+        Raises:
+            StreamInputError: If an id is not in the vocabulary.
+        """
+        return self._vocab.detokenize(token_ids)
+
+    def stats(self) -> EngineStats:
+        """Return the totals of every call so far (thread-safe).
+
+        Returns:
+            A snapshot of the counters.
+        """
+        with self._lock:
+            return self._stats
+
+    def _count(self, delta: EngineStats) -> None:
+        """Add ``delta`` to the totals."""
+        with self._lock:
+            self._stats = self._stats + delta
+
+    def __call__(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Mapping[str, Any],
+        cache_salt: str = "",
+    ) -> Iterator[TokenEvent]:
+        """Generate a completion of the prompt, one event per token.
+
+        Arguments are checked now; the prefill runs on the first ``next()``
+        and each token is yielded as soon as it is decoded. The first event
+        carries ``cached_tokens``: prompt tokens whose KV was reused.
+
+        Args:
+            prompt_token_ids: The prompt (ids in ``[0, vocab_size)``).
+            sampling_params: ``max_tokens`` (16), ``temperature`` (1.0; 0 is
+                greedy), ``top_p`` (1.0), ``seed``, ``ignore_eos`` (False),
+                ``stop_token_ids``; other keys are ignored.
+            cache_salt: Isolation salt passed to the context.
+
+        Returns:
+            An iterator of :class:`TokenEvent`; EOS and stop tokens end it
+            and are not yielded.
+
+        Raises:
+            SamplingParamsError: If a sampling param is invalid.
+            StreamInputError: If the prompt is empty, holds a token outside
+                the vocabulary, or does not fit ``max_position`` with
+                ``max_tokens``.
+            KVConfigError: On iteration, if the cached KV's layout does not
+                match the model.
+        """
+        params = SamplingParams.from_mapping(sampling_params)
+        prompt = self._check_prompt(prompt_token_ids, params.max_tokens)
+        return self._generate(prompt, params, cache_salt)
+
+    def _check_prompt(self, prompt: Sequence[int], max_tokens: int) -> list[int]:
+        """Return the prompt as ints, or raise naming what is wrong."""
+        size = self._config.vocab_size
+        tokens: list[int] = []
+        for i, tok in enumerate(prompt):
+            if isinstance(tok, (bool, np.bool_)) or not isinstance(
+                tok, (int, np.integer)
+            ):
+                raise StreamInputError(
+                    f"prompt token {i} is {tok!r}, expected an int token id"
+                )
+            if not 0 <= tok < size:
+                raise StreamInputError(
+                    f"prompt token {i} is {tok}, outside the vocabulary [0, {size})"
+                )
+            tokens.append(int(tok))
+        if not tokens:
+            raise StreamInputError("the prompt is empty")
+        # The last generated token is never fed back, so it needs no position.
+        needed = len(tokens) + max_tokens - 1
+        if needed > self._config.max_position:
+            raise StreamInputError(
+                f"the prompt has {len(tokens)} tokens and max_tokens is "
+                f"{max_tokens}: {needed} positions, but max_position is "
+                f"{self._config.max_position}"
+            )
+        return tokens
+
+    def _generate(
+        self, prompt: list[int], params: SamplingParams, salt: str
+    ) -> Iterator[TokenEvent]:
+        """Prefill (reusing cached KV), store, then decode lazily."""
+        seq = KVSequence(self._config, len(prompt) + params.max_tokens)
+        cached = self._ctx.retrieve(prompt, salt)
+        reused = 0 if cached is None else seq.load(as_numpy(cached), len(prompt) - 1)
+        logits = seq.extend(prompt[reused:])
+        # As LMCache offloads after prefill: the context keeps full chunks.
+        self._ctx.store(seq.prefix(len(prompt)), prompt, salt)
+        computed = len(prompt) - reused
+        self._count(EngineStats(1, len(prompt), reused, computed, 0))
+        sampler = Sampler(params)
+        one = EngineStats(generated_tokens=1)
+        for step in range(params.max_tokens):
+            token = sampler.sample(logits)
+            if params.stops_at(token, self._config.eos_token_id):
+                return
+            self._count(one)
+            yield TokenEvent(
+                token, self._vocab.piece(token), reused if step == 0 else None
+            )
+            if step + 1 < params.max_tokens:
+                logits = seq.extend([token])
