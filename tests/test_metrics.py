@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import lmcache_mp.metrics as metrics_mod
+import lmcache_mp._formatters as formatters_mod
 from lmcache_mp.metrics import (
     FileHandler,
     JSONFormatter,
@@ -323,7 +323,7 @@ def test_registered_formatter_is_usable_by_name(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """register_formatter makes a class available to Metrics.format."""
-    monkeypatch.setattr(metrics_mod, "_FORMATTERS", dict(metrics_mod._FORMATTERS))
+    monkeypatch.setattr(formatters_mod, "_FORMATTERS", dict(formatters_mod._FORMATTERS))
 
     @register_formatter("keys")
     class KeysFormatter(MetricsFormatter):
@@ -335,7 +335,7 @@ def test_registered_formatter_is_usable_by_name(
 
 def test_registering_a_taken_name_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     """A second class cannot take an existing format name."""
-    monkeypatch.setattr(metrics_mod, "_FORMATTERS", dict(metrics_mod._FORMATTERS))
+    monkeypatch.setattr(formatters_mod, "_FORMATTERS", dict(formatters_mod._FORMATTERS))
 
     class Other(JSONFormatter):
         pass
