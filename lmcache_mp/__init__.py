@@ -1,11 +1,20 @@
-"""lmcache_mp: LMCache's Batched Stream SDK on a persistent process pool."""
+"""lmcache_mp: LMCache's Batched Stream SDK on a persistent process pool.
 
+``lmcache_mp.stream`` and ``lmcache_mp.batch`` keep upstream's API
+(``lmcache.sdk.stream`` / ``lmcache.sdk.batch``); ``connect()`` opens the
+embedded shared-memory KV store; ``lmcache_mp.engine`` holds the embedded
+engine and the OpenAI-compatible client; ``lmcache_mp.edits`` ready-made
+KV edits. Importing the package starts nothing.
+"""
+
+from lmcache_mp.batch import LMCacheBatchedStream
 from lmcache_mp.errors import (
     LMCacheBatchedStreamError,
     LMCacheError,
     LMCacheStreamError,
 )
-from lmcache_mp.kv import KVContext
+from lmcache_mp.kv import KVContext, connect
+from lmcache_mp.metrics import Metrics
 from lmcache_mp.stream import (
     LMCacheStream,
     StreamPerfMetrics,
@@ -16,13 +25,16 @@ from lmcache_mp.stream import (
 
 __all__ = [
     "KVContext",
+    "LMCacheBatchedStream",
     "LMCacheBatchedStreamError",
     "LMCacheError",
     "LMCacheStream",
     "LMCacheStreamError",
+    "Metrics",
     "StreamPerfMetrics",
     "StreamState",
     "TokenEvent",
+    "connect",
     "create_request",
 ]
 

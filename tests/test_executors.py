@@ -1,0 +1,132 @@
+"""Specification of the in-process executors and of the batch's memory bound."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+from threadpoolctl import threadpool_info
+
+import lmcache_mp.batch as lmc_batch
+import lmcache_mp.stream as lmc_stream
+from lmcache_mp.errors import LMCacheBatchedStreamError, PhaseTimeoutError
+from lmcache_mp.executors import physical_cores
+from lmcache_mp.kv import SharedMemoryKVStore, connect
+from tests._fakes import FakeEngine, InMemoryKV
+
+
+def _filled(
+    executor: str, ctx: Any, n: int = 3, **opts: Any
+) -> lmc_batch.LMCacheBatchedStream:
+    batch = lmc_batch.LMCacheBatchedStream(executor, **opts)
+    for i in range(n):
+        batch.add(
+            lmc_stream.create_request(ctx, FakeEngine(ctx), list(range(i, i + 8)))
+        )
+    batch.prefill({})
+    return batch
+
+
+def blas_threads(
+    kv: np.ndarray, tokens: list[int]
+) -> tuple[np.ndarray, list[int], int]:
+    """Report the BLAS thread limit in force while the edit runs."""
+    return kv, tokens, min(info["num_threads"] for info in threadpool_info())
+
+
+def test_thread_executor_caps_blas_threads_while_a_phase_runs() -> None:
+    """One thread per stream with BLAS capped at cores // streams (never below 1)."""
+    batch = _filled("thread", InMemoryKV(4), n=3)
+    batch.modify(blas_threads)
+    expected = max(1, physical_cores() // 3)
+    assert {m.info for m in batch.modify_metrics.values()} == {expected}
+
+
+def slow_first(kv: np.ndarray, tokens: list[int]) -> tuple[np.ndarray, list[int]]:
+    """Takes 1.5 s for the stream whose tokens start at 0."""
+    if tokens[0] == 0:
+        time.sleep(1.5)
+    return kv[:, :, :4], tokens[:4]
+
+
+def test_thread_timeout_fails_the_slow_stream_and_discards_its_late_result() -> None:
+    """A thread cannot be killed: its stream fails at the timeout and its late result is never committed."""
+    batch = _filled("thread", InMemoryKV(4))
+    slow = next(sid for sid, s in batch.streams.items() if s.tokens[0] == 0)
+    before = batch.streams[slow].state.copy()
+    with pytest.raises(LMCacheBatchedStreamError) as info:
+        batch.modify(slow_first, timeout=0.3)
+    assert list(info.value.failures) == [slow]
+    assert isinstance(info.value.failures[slow], PhaseTimeoutError)
+    time.sleep(1.5)
+    assert batch.streams[slow].state == before
+
+
+def test_serial_timeout_fails_the_streams_not_started() -> None:
+    """The serial executor checks the timeout between streams."""
+    batch = _filled("serial", InMemoryKV(4))
+    with pytest.raises(LMCacheBatchedStreamError) as info:
+        batch.modify(slow_first, timeout=0.3)
+    assert len(info.value.failures) == 2
+    assert all(isinstance(e, PhaseTimeoutError) for e in info.value.failures.values())
+
+
+@pytest.fixture
+def store() -> Iterator[SharedMemoryKVStore]:
+    """A fresh store, destroyed afterwards."""
+    ctx = connect(chunk_size=4)
+    yield ctx
+    ctx.destroy()
+
+
+def test_modify_concurrency_follows_available_memory(
+    store: SharedMemoryKVStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without max_in_flight, only as many streams as fit in half the free memory hold KV at once."""
+    batch = _filled("thread", store, n=4)
+    per_stream = 3 * 2 * 2 * 4 * 4 * len(next(iter(batch.streams.values())).tokens)
+    monkeypatch.setattr(
+        lmc_batch.psutil,
+        "virtual_memory",
+        lambda: SimpleNamespace(available=2 * per_stream * 2),
+    )
+    assert batch._modify_bound(list(batch.streams)) == 2
+    monkeypatch.setattr(
+        lmc_batch.psutil, "virtual_memory", lambda: SimpleNamespace(available=1)
+    )
+    assert batch._modify_bound(list(batch.streams)) == 1
+
+
+def test_an_unclosed_batch_leaves_no_worker_at_interpreter_exit(tmp_path: Any) -> None:
+    """A script that never closes its batch still ends every worker when it exits."""
+    pidfile = tmp_path / "pids"
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {os.getcwd()!r})
+        import lmcache_mp.batch as lmc_batch, lmcache_mp.stream as lmc_stream
+        from lmcache_mp.kv import connect
+        from tests._fakes import FakeEngine
+        ctx = connect(chunk_size=4)
+        batch = lmc_batch.LMCacheBatchedStream("process", max_workers=2)
+        for i in range(2):
+            batch.add(lmc_stream.create_request(ctx, FakeEngine(ctx), [i, 1, 2, 3]))
+        batch.prefill({{}})
+        open({str(pidfile)!r}, "w").write(" ".join(map(str, batch.executor.pids())))
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    pids = [int(p) for p in pidfile.read_text().split()]
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(pids) == 2 and not any(psutil.pid_exists(p) for p in pids)
