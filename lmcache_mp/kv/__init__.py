@@ -1,5 +1,14 @@
 """KV contexts: the protocol and the embedded shared-memory store."""
 
+from lmcache_mp.kv._connect import connect
 from lmcache_mp.kv._protocol import KVContext
+from lmcache_mp.kv._stats import StoreStats
+from lmcache_mp.kv._store import DEFAULT_CHUNK_SIZE, SharedMemoryKVStore
 
-__all__ = ["KVContext"]
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "KVContext",
+    "SharedMemoryKVStore",
+    "StoreStats",
+    "connect",
+]

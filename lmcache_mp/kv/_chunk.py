@@ -1,0 +1,267 @@
+"""The chunk file format: a fixed header, a digest, then the raw payload.
+
+Layout of a chunk file (little-endian)::
+
+    magic    8s   b"LMCMPKV\\0"
+    version  u16  FORMAT_VERSION
+    dtype    u16  code from _layout
+    layers   u32
+    tokens   u32  the store's chunk size
+    width    u32
+    payload  u64  payload length in bytes
+    digest   16s  keyed BLAKE2b-128 of the 32 bytes above + payload
+    payload       the [2, layers, tokens, width] elements, C order
+
+The digest is keyed with the chunk's key, so a chunk file renamed to
+another key fails as well. It detects corruption, truncation and torn or
+misplaced files; it is not a secret, so it does not stop a user who can
+write the directory from forging a chunk: the 0700 directory does that.
+Payloads are raw elements: reading a chunk never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import hmac
+import os
+import stat
+import struct
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lmcache_mp.kv._files import temp_name
+from lmcache_mp.kv._layout import Layout, dtype_code
+
+__all__ = [
+    "HEADER_SIZE",
+    "CorruptChunk",
+    "chunk_file_size",
+    "chunk_views",
+    "read_chunk",
+    "write_chunk",
+]
+
+MAGIC = b"LMCMPKV\0"
+FORMAT_VERSION = 1
+_FIELDS = struct.Struct("<8sHHIIIQ")
+_DIGEST_BYTES = 16
+#: Bytes before the payload: the fields and the digest.
+HEADER_SIZE = _FIELDS.size + _DIGEST_BYTES
+_PERSON = b"lmcache-mp/kvchk"
+# Scatter/gather calls take at most this many buffers.
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+class CorruptChunk(Exception):
+    """A chunk file failed a check; the message says which."""
+
+
+def chunk_file_size(layout: Layout, chunk_size: int) -> int:
+    """Bytes of a chunk file of ``layout``: header plus payload."""
+    return HEADER_SIZE + _payload_size(layout, chunk_size)
+
+
+def _payload_size(layout: Layout, chunk_size: int) -> int:
+    return 2 * layout.layers * chunk_size * layout.width * layout.dtype.itemsize
+
+
+def chunk_views(raw: npt.NDArray[np.uint8], start: int, stop: int) -> list[memoryview]:
+    """The contiguous pieces of tokens ``[start, stop)`` of a KV, in file order.
+
+    Args:
+        raw: A C-contiguous KV viewed as bytes: ``[2, L, T, D * itemsize]``.
+        start: First token of the chunk.
+        stop: One past its last token.
+
+    Returns:
+        ``2 * L`` flat byte views, one per (K/V, layer), sharing ``raw``'s
+        memory, so chunks are written from and read into it without copies.
+    """
+    return [
+        raw[kind, layer, start:stop].data.cast("B")
+        for kind in range(raw.shape[0])
+        for layer in range(raw.shape[1])
+    ]
+
+
+def _fields(layout: Layout, chunk_size: int) -> bytes:
+    return _FIELDS.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        dtype_code(layout.dtype),
+        layout.layers,
+        chunk_size,
+        layout.width,
+        _payload_size(layout, chunk_size),
+    )
+
+
+def _digest(key: bytes, fields: bytes, payload: Sequence[memoryview]) -> bytes:
+    hasher = hashlib.blake2b(fields, digest_size=_DIGEST_BYTES, key=key, person=_PERSON)
+    for view in payload:
+        hasher.update(view)
+    return hasher.digest()
+
+
+def _transfer(
+    op: Callable[[int, Sequence[Any]], int], fd: int, views: list[memoryview]
+) -> int:
+    """Run readv/writev until every view is done or the file ends."""
+    done = 0
+    first = 0
+    while first < len(views):
+        moved = op(fd, views[first : first + _IOV_MAX])
+        if moved == 0:
+            break
+        done += moved
+        while moved and first < len(views):
+            size = len(views[first])
+            if moved >= size:
+                moved -= size
+                first += 1
+            else:
+                views[first] = views[first][moved:]
+                moved = 0
+    return done
+
+
+def write_chunk(
+    dir_fd: int,
+    name: str,
+    key: bytes,
+    payload: list[memoryview],
+    layout: Layout,
+    chunk_size: int,
+) -> None:
+    """Write a chunk atomically: a temp file, then a rename onto ``name``.
+
+    A reader sees either no file, a previous complete file, or this one
+    complete. The file's mtime is set from the fine-grained clock so that
+    least-recently-used ordering does not tie at the kernel's coarse tick.
+
+    Args:
+        dir_fd: The store directory.
+        name: The chunk's file name.
+        key: The chunk's key (keys the digest).
+        payload: The chunk's bytes, as :func:`chunk_views` returns them.
+        layout: The store's layout.
+        chunk_size: The store's chunk size.
+
+    Raises:
+        OSError: If the file cannot be written (e.g. the filesystem is full).
+    """
+    fields = _fields(layout, chunk_size)
+    header = fields + _digest(key, fields, payload)
+    tmp = temp_name()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    try:
+        expected = len(header) + sum(len(v) for v in payload)
+        written = _transfer(os.writev, fd, [memoryview(header), *payload])
+        if written != expected:
+            raise OSError(f"short write: {written} of {expected} bytes")
+        now = time.time_ns()
+        os.utime(fd, ns=(now, now))
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    os.close(fd)
+    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def _check(
+    header: bytes,
+    key: bytes,
+    payload: list[memoryview],
+    layout: Layout,
+    chunk_size: int,
+) -> None:
+    fields = header[: _FIELDS.size]
+    magic, version, code, layers, tokens, width, length = _FIELDS.unpack(fields)
+    if magic != MAGIC:
+        raise CorruptChunk(f"bad magic {magic!r}")
+    if version != FORMAT_VERSION:
+        raise CorruptChunk(f"format version {version}, expected {FORMAT_VERSION}")
+    if fields != _fields(layout, chunk_size):
+        raise CorruptChunk(
+            f"header (dtype code {code}, layers {layers}, tokens {tokens}, width "
+            f"{width}, payload {length}) does not match the store {layout.describe()}"
+        )
+    if not hmac.compare_digest(header[_FIELDS.size :], _digest(key, fields, payload)):
+        raise CorruptChunk("checksum mismatch")
+
+
+def _discard(dir_fd: int, name: str, fd: int) -> None:
+    """Remove ``name`` if it is still the file open as ``fd``.
+
+    A concurrent writer may have renamed a good chunk onto ``name`` since it
+    was opened; that one is kept.
+    """
+    with contextlib.suppress(OSError):
+        mine = os.fstat(fd)
+        current = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino):
+            os.unlink(name, dir_fd=dir_fd)
+
+
+def read_chunk(
+    dir_fd: int,
+    name: str,
+    key: bytes,
+    out: list[memoryview],
+    layout: Layout,
+    chunk_size: int,
+) -> None:
+    """Read and verify a chunk straight into ``out``; refresh its mtime.
+
+    A chunk that fails a check is removed (so it can be stored again) and
+    reported as :class:`CorruptChunk`; ``out`` then holds garbage.
+
+    Args:
+        dir_fd: The store directory.
+        name: The chunk's file name.
+        key: The chunk's key.
+        out: Where its payload goes, as :func:`chunk_views` returns them.
+        layout: The store's layout.
+        chunk_size: The store's chunk size.
+
+    Raises:
+        FileNotFoundError: If there is no such chunk (a miss).
+        CorruptChunk: If the file is not a valid chunk of this key.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        # A symlink planted where a chunk belongs: never followed.
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=dir_fd)
+        raise CorruptChunk("is a symlink") from exc
+    try:
+        st = os.fstat(fd)
+        size = chunk_file_size(layout, chunk_size)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise CorruptChunk(f"{st.st_size} bytes, expected {size}")
+        header = bytearray(HEADER_SIZE)
+        got = _transfer(os.readv, fd, [memoryview(header), *out])
+        if got != size:
+            raise CorruptChunk(f"read {got} bytes, expected {size}")
+        _check(bytes(header), key, out, layout, chunk_size)
+        # The mtime is the recency that eviction orders by; best effort.
+        now = time.time_ns()
+        with contextlib.suppress(OSError):
+            os.utime(fd, ns=(now, now))
+    except CorruptChunk:
+        _discard(dir_fd, name, fd)
+        raise
+    finally:
+        os.close(fd)

@@ -1,0 +1,164 @@
+"""``connect``: open a KV store by URL (or a fresh temporary one)."""
+
+from __future__ import annotations
+
+import getpass
+import os
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import SplitResult, urlsplit
+
+from lmcache_mp._paths import shm_root
+from lmcache_mp.errors import KVConfigError
+from lmcache_mp.kv._capacity import default_capacity
+from lmcache_mp.kv._layout import Layout, resolve_dtype
+from lmcache_mp.kv._store import DEFAULT_CHUNK_SIZE, SharedMemoryKVStore
+
+__all__ = ["connect"]
+
+# Store directories are named "lmcache-mp-<user>-<name>": per user, and
+# easy to find for leak checks.
+_DIR_PREFIX = "lmcache-mp"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def _user() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.geteuid())
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", user)
+
+
+def _shm_dir(name: str) -> str:
+    return os.path.join(shm_root(), f"{_DIR_PREFIX}-{_user()}-{name}")
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What ``connect`` was asked for, beyond the URL."""
+
+    chunk_size: int
+    layout: Layout | None
+    capacity_bytes: int | None
+
+
+def _open_dir(
+    path: str, url: str, options: _Options, owner: bool = False
+) -> SharedMemoryKVStore:
+    capacity = options.capacity_bytes
+    if capacity is None:
+        capacity = default_capacity(os.path.dirname(path))
+    store = SharedMemoryKVStore(
+        path,
+        url=url,
+        chunk_size=options.chunk_size,
+        capacity_bytes=capacity,
+        owner=owner,
+    )
+    try:
+        store._attach(create=True, layout=options.layout)
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def _open_shm(parts: SplitResult, url: str, options: _Options) -> SharedMemoryKVStore:
+    # "shm:///name" is canonical; "shm://name" is accepted as the same store.
+    name = (parts.netloc + parts.path).lstrip("/")
+    if not _NAME.fullmatch(name) or parts.query or parts.fragment:
+        raise KVConfigError(
+            f"bad store URL {url!r}: expected shm:///NAME with NAME of letters, "
+            "digits, '.', '_' or '-' (at most 128, not starting with '.' or '-')"
+        )
+    return _open_dir(_shm_dir(name), f"shm:///{name}", options)
+
+
+def _open_file(parts: SplitResult, url: str, options: _Options) -> SharedMemoryKVStore:
+    if parts.netloc or not parts.path.startswith("/") or parts.query or parts.fragment:
+        raise KVConfigError(f"bad store URL {url!r}: expected file:///ABSOLUTE/PATH")
+    path = os.path.normpath(parts.path)
+    return _open_dir(path, f"file://{path}", options)
+
+
+#: Scheme -> opener of a store for a parsed URL. Another backend is one more
+#: entry here, returning its own KVContext.
+_OPENERS: dict[str, Callable[[SplitResult, str, _Options], SharedMemoryKVStore]] = {
+    "file": _open_file,
+    "shm": _open_shm,
+}
+
+
+def _layout_arg(layers: int | None, width: int | None, dtype: Any) -> Layout | None:
+    if layers is None and width is None and dtype is None:
+        return None
+    if layers is None or width is None or dtype is None:
+        given = {"layers": layers, "width": width, "dtype": dtype}
+        missing = ", ".join(name for name, value in given.items() if value is None)
+        raise KVConfigError(
+            f"give layers, width and dtype together or not at all; missing: {missing}"
+        )
+    for name, value in (("layers", layers), ("width", width)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise KVConfigError(f"{name} must be a positive int, got {value!r}")
+    return Layout(layers, width, resolve_dtype(dtype))
+
+
+def connect(
+    url: str | None = None,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    layers: int | None = None,
+    width: int | None = None,
+    dtype: Any = None,
+    capacity_bytes: int | None = None,
+) -> SharedMemoryKVStore:
+    """Open an embedded shared-memory KV store.
+
+    With no URL, a fresh temporary store is created, owned by the returned
+    context: closing it (or leaving its ``with`` block), garbage collecting
+    it, or leaving the interpreter removes it. ``shm:///NAME`` opens or
+    creates the named store under ``/dev/shm`` (the temp directory where
+    there is none), which any process of the same user can open by name;
+    it lasts until ``destroy()``. ``file:///PATH`` does the same in a
+    directory of your choice.
+
+    Args:
+        url: ``None``, ``"shm:///NAME"`` or ``"file:///PATH"``.
+        chunk_size: Tokens per chunk.
+        layers: Layers ``L`` of the KV; with ``width`` and ``dtype`` fixes
+            the store's layout now (otherwise the first store does).
+        width: ``D``, heads x head dim.
+        dtype: ``float32``, ``float16`` or ``bfloat16`` (needs ml_dtypes).
+        capacity_bytes: Chunk bytes kept before least recently used chunks
+            are evicted; default a quarter of the free RAM or of the free
+            space of the store's filesystem, whichever is smaller.
+
+    Returns:
+        The store's context.
+
+    Raises:
+        KVConfigError: For an unsupported scheme or malformed URL, a bad
+            chunk size, capacity or layout, or a layout that differs from
+            the one the named store already has.
+        KVStoreSecurityError: If the directory is a symlink, not owned by
+            the current user, or open to other users.
+        KVStoreError: If the directory cannot be created or opened.
+    """
+    options = _Options(chunk_size, _layout_arg(layers, width, dtype), capacity_bytes)
+    if url is None:
+        name = f"tmp-{secrets.token_hex(8)}"
+        return _open_dir(_shm_dir(name), f"shm:///{name}", options, owner=True)
+    parts = urlsplit(url)
+    opener = _OPENERS.get(parts.scheme.lower())
+    if opener is None:
+        supported = ", ".join(f"{scheme}://" for scheme in sorted(_OPENERS))
+        scheme = f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
+        raise KVConfigError(
+            f"unsupported KV store URL {url!r} ({scheme}); supported: {supported}"
+        )
+    return opener(parts, url, options)

@@ -1,0 +1,195 @@
+"""The store directory: secure opening, temp files, listing, removal.
+
+Every operation goes through a descriptor of the directory (``dir_fd``),
+opened once after the ownership and mode checks, so that renaming or
+replacing the path afterwards cannot redirect reads and writes elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import stat
+import time
+from typing import NamedTuple
+
+from lmcache_mp.errors import KVStoreError, KVStoreSecurityError
+
+__all__ = [
+    "CHUNK_SUFFIX",
+    "TEMP_PREFIX",
+    "ChunkEntry",
+    "list_chunks",
+    "open_store_dir",
+    "remove_stale_temps",
+    "remove_tree",
+    "temp_name",
+]
+
+#: Files being written start with this; they are never read as chunks.
+TEMP_PREFIX = ".tmp-"
+#: Chunk files are ``<key hex><CHUNK_SUFFIX>``.
+CHUNK_SUFFIX = ".kv"
+
+# A writer whose pid is still alive (or reused) gets this long to finish a
+# temp file before an opener treats it as abandoned.
+_STALE_TEMP_S = 600.0
+
+
+class ChunkEntry(NamedTuple):
+    """One chunk file as seen by a directory scan."""
+
+    name: str
+    size: int
+    mtime_ns: int
+
+
+def temp_name() -> str:
+    """A fresh temp file name: ``.tmp-<pid>-<random>``.
+
+    The pid lets an opener tell a dead writer's leftovers from a live one's.
+    """
+    return f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def _check_dir(st: os.stat_result, path: str) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        raise KVStoreSecurityError(f"{path}: is a symlink; refusing it as a KV store")
+    if not stat.S_ISDIR(st.st_mode):
+        raise KVStoreError(f"{path}: exists and is not a directory")
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        raise KVStoreSecurityError(
+            f"{path}: owned by uid {st.st_uid}, not by the current user (uid {uid})"
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise KVStoreSecurityError(
+            f"{path}: mode {mode:04o} gives other users access; expected 0700"
+        )
+
+
+def open_store_dir(path: str, create: bool) -> int:
+    """Open (and optionally create) a store directory after checking it.
+
+    Args:
+        path: The directory.
+        create: Create it (mode 0700) when missing.
+
+    Returns:
+        A descriptor of the directory; the caller closes it.
+
+    Raises:
+        KVStoreSecurityError: If the directory is a symlink, is not owned by
+            the current user, or its mode lets group or others in.
+        KVStoreError: If it is missing (and ``create`` is false), is not a
+            directory, or cannot be opened.
+    """
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+            # The umask may have removed bits the owner needs.
+            os.chmod(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise KVStoreError(f"{path}: cannot create the store: {exc}") from exc
+    try:
+        before = os.lstat(path)
+    except FileNotFoundError as exc:
+        raise KVStoreError(f"{path}: the store does not exist") from exc
+    _check_dir(before, path)
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise KVStoreError(f"{path}: cannot open the store: {exc}") from exc
+    after = os.fstat(fd)
+    if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+        os.close(fd)
+        raise KVStoreSecurityError(f"{path}: was replaced while being opened")
+    return fd
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(dir_fd: int) -> int:
+    """Remove temp files left by writers that died mid-write.
+
+    A temp file is stale when its writer's pid is gone, or when it is older
+    than ten minutes (its pid may have been reused or live in another pid
+    namespace).
+
+    Args:
+        dir_fd: The store directory.
+
+    Returns:
+        How many files were removed.
+    """
+    removed = 0
+    now = time.time()
+    with os.scandir(dir_fd) as entries:
+        for entry in entries:
+            if not entry.name.startswith(TEMP_PREFIX):
+                continue
+            pid_text = entry.name[len(TEMP_PREFIX) :].split("-", 1)[0]
+            try:
+                dead = not pid_text.isdigit() or not _pid_alive(int(pid_text))
+                old = now - entry.stat(follow_symlinks=False).st_mtime > _STALE_TEMP_S
+                if dead or old:
+                    os.unlink(entry.name, dir_fd=dir_fd)
+                    removed += 1
+            except FileNotFoundError:
+                continue
+    return removed
+
+
+def list_chunks(dir_fd: int) -> list[ChunkEntry]:
+    """List the chunk files of a store, skipping any that vanish meanwhile."""
+    found = []
+    with os.scandir(dir_fd) as entries:
+        for entry in entries:
+            if not entry.name.endswith(CHUNK_SUFFIX):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found.append(ChunkEntry(entry.name, st.st_size, st.st_mtime_ns))
+    return found
+
+
+def remove_tree(path: str) -> None:
+    """Remove a store directory; a missing directory is not an error.
+
+    Raises:
+        KVStoreSecurityError: If ``path`` is a symlink (never followed).
+        KVStoreError: If it cannot be removed.
+    """
+    last: OSError | None = None
+    for _ in range(3):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(st.st_mode):
+            raise KVStoreSecurityError(f"{path}: is a symlink; not removing it")
+        try:
+            shutil.rmtree(path)
+        except OSError as exc:
+            # Another process may add or remove a file between rmtree's
+            # listing and its unlink/rmdir; a retry sees the new state.
+            last = exc
+            continue
+        return
+    raise KVStoreError(f"{path}: cannot remove the store: {last}") from last

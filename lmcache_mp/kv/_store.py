@@ -1,0 +1,377 @@
+"""The embedded shared-memory KV store: chunk files every process reads."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+import weakref
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lmcache_mp._arrays import as_numpy
+from lmcache_mp.errors import CorruptChunkWarning, KVConfigError, KVStoreError
+from lmcache_mp.kv._capacity import Usage
+from lmcache_mp.kv._chunk import (
+    CorruptChunk,
+    chunk_file_size,
+    chunk_views,
+    read_chunk,
+    write_chunk,
+)
+from lmcache_mp.kv._files import (
+    CHUNK_SUFFIX,
+    list_chunks,
+    open_store_dir,
+    remove_stale_temps,
+    remove_tree,
+)
+from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
+from lmcache_mp.kv._layout import Layout, load_layout, publish_layout, resolve_dtype
+from lmcache_mp.kv._stats import Counters, StoreStats
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "SharedMemoryKVStore"]
+
+#: Tokens per chunk, as LMCache's default.
+DEFAULT_CHUNK_SIZE = 256
+
+
+class _Handle:
+    """What the finalizer may touch without keeping the store alive."""
+
+    def __init__(self, path: str, owner: bool) -> None:
+        self.path = path
+        # Only the creating process removes a temporary store: a forked child
+        # inherits the finalizer but must not delete its parent's store.
+        self.owner_pid = os.getpid() if owner else None
+        self.fd: int | None = None
+
+    def release(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def cleanup(self) -> None:
+        self.release()
+        if self.owner_pid == os.getpid():
+            remove_tree(self.path)
+
+
+def _reopen(
+    path: str, url: str, chunk_size: int, capacity_bytes: int
+) -> SharedMemoryKVStore:
+    return SharedMemoryKVStore(
+        path, url=url, chunk_size=chunk_size, capacity_bytes=capacity_bytes
+    )
+
+
+class SharedMemoryKVStore:
+    """A KV context whose chunks are files in a private shared directory.
+
+    Every process on the machine that opens the same directory shares the
+    cache: reads and writes go straight to the files, never through a pipe.
+    Usually made by :func:`lmcache_mp.kv.connect`. Thread-safe.
+
+    A store pickles by location only; the copy reconnects lazily in the
+    process that unpickles it and never removes the directory on close.
+
+    Args:
+        path: The store directory (created by ``connect``).
+        url: The URL it was opened by, e.g. ``"shm:///name"``.
+        chunk_size: Tokens per chunk.
+        capacity_bytes: Chunk bytes kept before least recently used chunks
+            are evicted.
+        owner: Whether this handle owns the directory: closing it, garbage
+            collecting it or leaving the interpreter then removes it.
+
+    Raises:
+        KVConfigError: If ``chunk_size`` or ``capacity_bytes`` is not a
+            positive int.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        url: str,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        capacity_bytes: int,
+        owner: bool = False,
+    ) -> None:
+        for label, value in (
+            ("chunk_size", chunk_size),
+            ("capacity_bytes", capacity_bytes),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise KVConfigError(f"{label} must be a positive int, got {value!r}")
+        self._path = path
+        self._url = url
+        self._chunk_size = chunk_size
+        self._handle = _Handle(path, owner)
+        self._finalizer = weakref.finalize(self, self._handle.cleanup)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._layout: Layout | None = None
+        self._usage = Usage(capacity_bytes)
+        self._counts = Counters()
+
+    @property
+    def path(self) -> str:
+        """The store directory."""
+        return self._path
+
+    @property
+    def url(self) -> str:
+        """The URL that opens this store, e.g. ``"shm:///name"``."""
+        return self._url
+
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per chunk; retrieved prefixes are multiples of it."""
+        return self._chunk_size
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Chunk bytes kept before least recently used chunks are evicted."""
+        return self._usage.capacity
+
+    @property
+    def layout(self) -> Layout | None:
+        """``(layers, width, dtype)`` of the stored KV; ``None`` until fixed."""
+        if self._layout is None and not self._closed:
+            self._layout = load_layout(self._dir_fd(), self._path)
+        return self._layout
+
+    def __repr__(self) -> str:
+        return (
+            f"SharedMemoryKVStore(url={self._url!r}, path={self._path!r}, "
+            f"chunk_size={self._chunk_size})"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _reopen,
+            (self._path, self._url, self._chunk_size, self._usage.capacity),
+        )
+
+    def __enter__(self) -> SharedMemoryKVStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _attach(self, create: bool, layout: Layout | None) -> None:
+        """Open the directory now (creating it) and fix ``layout`` if given."""
+        fd = self._dir_fd(create=create)
+        if layout is not None:
+            self._check_layout(fd, layout)
+
+    def _dir_fd(self, create: bool = False) -> int:
+        with self._lock:
+            if self._closed:
+                raise KVStoreError(f"{self._url}: the store is closed")
+            if self._handle.fd is None:
+                fd = open_store_dir(self._path, create)
+                try:
+                    remove_stale_temps(fd)
+                except OSError:
+                    os.close(fd)
+                    raise
+                self._handle.fd = fd
+            return self._handle.fd
+
+    def _check_layout(self, fd: int, wanted: Layout) -> Layout:
+        layout = self._layout
+        if layout is None:
+            layout = load_layout(fd, self._path) or publish_layout(
+                fd, self._path, wanted
+            )
+            self._layout = layout
+        if layout != wanted:
+            raise KVConfigError(
+                f"KV layout {wanted.describe()} does not match the layout "
+                f"{layout.describe()} of store {self._url}"
+            )
+        return layout
+
+    def retrieve(self, tokens: Tokens, cache_salt: str = "") -> npt.NDArray[Any] | None:
+        """Return the KV of the longest cached chunk-aligned prefix of ``tokens``.
+
+        Each chunk is read straight into its place in the result. A chunk
+        that fails its checksum is removed and ends the prefix, with a
+        :class:`~lmcache_mp.errors.CorruptChunkWarning`.
+
+        Args:
+            tokens: The token ids whose KV is wanted.
+            cache_salt: Isolation salt; KV stored under another salt is never
+                returned.
+
+        Returns:
+            A new contiguous ``[2, L, T, D]`` array with ``T`` a multiple of
+            ``chunk_size``, or ``None`` when the first chunk is not cached.
+
+        Raises:
+            TypeError: If ``tokens`` are not ints or ``cache_salt`` not a str.
+            ValueError: If a token id is negative.
+            KVStoreError: If the store is closed or cannot be read.
+        """
+        toks = token_array(tokens)
+        size = self._chunk_size
+        keys = chunk_keys(toks, size, cache_salt)
+        if len(toks) < size:
+            return None
+        fd = self._dir_fd()
+        layout = self.layout
+        found: list[tuple[str, bytes]] = []
+        if layout is not None:
+            for key in keys:
+                name = key.hex() + CHUNK_SUFFIX
+                try:
+                    os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    break
+                found.append((name, key))
+        if layout is None or not found:
+            self._counts.add(misses=1)
+            return None
+        out = np.empty(
+            (2, layout.layers, len(found) * size, layout.width), layout.dtype
+        )
+        raw = out.view(np.uint8)
+        got = 0
+        for name, key in found:
+            views = chunk_views(raw, got * size, (got + 1) * size)
+            try:
+                read_chunk(fd, name, key, views, layout, size)
+            except FileNotFoundError:
+                break
+            except CorruptChunk as exc:
+                self._counts.add(corrupt=1)
+                warnings.warn(
+                    f"{self._path}/{name}: corrupt chunk ({exc}); "
+                    "treated as a miss and removed",
+                    CorruptChunkWarning,
+                    stacklevel=2,
+                )
+                break
+            got += 1
+        self._counts.add(hits=got, misses=int(got < len(toks) // size))
+        if got == 0:
+            return None
+        if got < len(found):
+            return np.ascontiguousarray(out[:, :, : got * size])
+        return out
+
+    def store(self, kv: Any, tokens: Tokens, cache_salt: str = "") -> bool:
+        """Store every full chunk of ``kv`` that is not cached yet.
+
+        Chunks already cached count as used (for eviction). When the new
+        chunks do not fit, least recently used chunks of other prefixes are
+        evicted; chunks that still do not fit are not stored, with a
+        ``RuntimeWarning``.
+
+        Args:
+            kv: ``[2, L, len(tokens), D]``: a numpy array, a torch tensor or
+                anything ``np.asarray`` accepts; a sub-chunk tail is not
+                stored.
+            tokens: The token ids the KV belongs to.
+            cache_salt: Isolation salt.
+
+        Returns:
+            Whether any chunk was written.
+
+        Raises:
+            KVConfigError: If ``kv`` is not ``[2, L, len(tokens), D]``, its
+                dtype is not float32/float16/bfloat16, or its layout differs
+                from the store's.
+            TypeError: If ``kv`` is not an array, ``tokens`` not ints or
+                ``cache_salt`` not a str.
+            ValueError: If a token id is negative.
+            KVStoreError: If the store is closed or a chunk cannot be written.
+        """
+        arr = as_numpy(kv)
+        toks = token_array(tokens)
+        if arr.ndim != 4 or arr.shape[0] != 2 or arr.shape[2] != len(toks):
+            raise KVConfigError(
+                f"KV has shape {arr.shape}, expected 4-D [2, layers, tokens, width] "
+                f"with {len(toks)} tokens on axis 2"
+            )
+        wanted = Layout(arr.shape[1], arr.shape[3], resolve_dtype(arr.dtype))
+        fd = self._dir_fd()
+        layout = self._check_layout(fd, wanted)
+        size = self._chunk_size
+        names, keys, missing = [], [], []
+        now = time.time_ns()
+        for index, key in enumerate(chunk_keys(toks, size, cache_salt)):
+            name = key.hex() + CHUNK_SUFFIX
+            names.append(name)
+            keys.append(key)
+            try:
+                os.utime(name, ns=(now, now), dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                missing.append(index)
+        if not missing:
+            return False
+        fits, evicted = self._usage.make_room(
+            fd, len(missing), chunk_file_size(layout, size), frozenset(names)
+        )
+        self._counts.add(evictions=evicted)
+        if fits < len(missing):
+            warnings.warn(
+                f"store {self._url}: {len(missing) - fits} of {len(missing)} new "
+                f"chunks do not fit in its capacity of {self._usage.capacity} bytes; "
+                "not stored",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        raw = np.ascontiguousarray(arr, dtype=layout.dtype).view(np.uint8)
+        for index in missing[:fits]:
+            views = chunk_views(raw, index * size, (index + 1) * size)
+            try:
+                write_chunk(fd, names[index], keys[index], views, layout, size)
+            except OSError as exc:
+                raise KVStoreError(
+                    f"{self._path}/{names[index]}: cannot write chunk: {exc}"
+                ) from exc
+            self._counts.add(writes=1)
+        return fits > 0
+
+    def stats(self) -> StoreStats:
+        """Return the store's size and this handle's counters.
+
+        Raises:
+            KVStoreError: If the store is closed.
+        """
+        entries = list_chunks(self._dir_fd())
+        return self._counts.snapshot(len(entries), sum(e.size for e in entries))
+
+    def close(self) -> None:
+        """Release the directory; remove it if this handle owns it.
+
+        Idempotent. A closed store raises :class:`KVStoreError` when used.
+        """
+        with self._lock:
+            self._closed = True
+        self._finalizer()
+
+    def destroy(self) -> None:
+        """Close this handle and remove the store directory with every chunk.
+
+        Idempotent, and safe when the directory is already gone. Other
+        processes using the store then fail to open it.
+
+        Raises:
+            KVStoreSecurityError: If the path has been replaced by a symlink.
+            KVStoreError: If the directory cannot be removed.
+        """
+        self.close()
+        remove_tree(self._path)

@@ -1,0 +1,583 @@
+"""The shared-memory KV store in one process: keys, chunks, layout, lifecycle."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from lmcache_mp.errors import CorruptChunkWarning, KVConfigError, KVStoreError
+from lmcache_mp.kv import (
+    DEFAULT_CHUNK_SIZE,
+    KVContext,
+    SharedMemoryKVStore,
+    StoreStats,
+    _chunk,
+    _connect,
+)
+from lmcache_mp.kv._chunk import HEADER_SIZE
+from tests._store_util import StoreFactory, bits, chunk_paths, kv_of, unique_url
+
+C = 4  # chunk size of most tests
+TOKENS = list(range(100, 100 + 3 * C))  # exactly three chunks
+
+
+@pytest.fixture
+def stores() -> Iterator[StoreFactory]:
+    factory = StoreFactory()
+    yield factory
+    factory.destroy_all()
+
+
+@pytest.fixture
+def ctx(stores: StoreFactory) -> SharedMemoryKVStore:
+    return stores.connect(chunk_size=C)
+
+
+def test_connect_gives_a_kv_context_in_dev_shm(ctx: SharedMemoryKVStore) -> None:
+    """connect() with no URL makes a fresh KVContext under /dev/shm."""
+    assert isinstance(ctx, KVContext)
+    assert ctx.path.startswith("/dev/shm/")
+    assert "lmcache" in os.path.basename(ctx.path)
+    assert ctx.url.startswith("shm:///")
+    assert ctx.chunk_size == C
+    assert DEFAULT_CHUNK_SIZE == 256
+
+
+def test_each_connect_without_url_is_a_new_store(stores: StoreFactory) -> None:
+    """Two connect() calls without a URL never share a directory."""
+    assert stores.connect().path != stores.connect().path
+
+
+def test_empty_store_retrieves_none(ctx: SharedMemoryKVStore) -> None:
+    """Nothing stored: retrieve returns None."""
+    assert ctx.retrieve(TOKENS) is None
+
+
+def test_retrieve_returns_longest_cached_prefix(ctx: SharedMemoryKVStore) -> None:
+    """Three chunks stored, 3.5 chunks asked: the three chunks come back."""
+    kv = kv_of(TOKENS)
+    assert ctx.store(kv, TOKENS)
+    got = ctx.retrieve([*TOKENS, 1, 2])
+    assert got is not None
+    assert np.array_equal(got, kv)
+
+
+def test_different_second_chunk_returns_first_chunk_only(
+    ctx: SharedMemoryKVStore,
+) -> None:
+    """A prefix that diverges in chunk 2 gets chunk 1 only."""
+    kv = kv_of(TOKENS)
+    ctx.store(kv, TOKENS)
+    other = [*TOKENS[:C], 7, *TOKENS[C + 1 :]]
+    got = ctx.retrieve(other)
+    assert got is not None
+    assert np.array_equal(got, kv[:, :, :C])
+
+
+def test_same_chunk_after_different_prefix_misses(ctx: SharedMemoryKVStore) -> None:
+    """A chunk's key covers its prefix: chunk 2 after another chunk 1 misses."""
+    ctx.store(kv_of(TOKENS), TOKENS)
+    assert ctx.retrieve([9, 9, 9, 9, *TOKENS[C:]]) is None
+
+
+def test_salts_never_share_chunks(ctx: SharedMemoryKVStore) -> None:
+    """KV stored under one salt is invisible under another."""
+    ctx.store(kv_of(TOKENS), TOKENS, cache_salt="alice")
+    assert ctx.retrieve(TOKENS, cache_salt="bob") is None
+    assert ctx.retrieve(TOKENS) is None
+    assert ctx.retrieve(TOKENS, cache_salt="alice") is not None
+
+
+def test_chunk_sizes_never_share_chunks(stores: StoreFactory) -> None:
+    """Handles of one store with different chunk sizes see different keys."""
+    url = unique_url()
+    stores.connect(url, chunk_size=C).store(kv_of(TOKENS), TOKENS)
+    assert stores.connect(url, chunk_size=2 * C).retrieve(TOKENS) is None
+
+
+def test_sub_chunk_tail_is_not_stored(ctx: SharedMemoryKVStore) -> None:
+    """2.5 chunks stored: two chunk files, and retrieve gives two chunks."""
+    toks = TOKENS[: 2 * C + C // 2]
+    kv = kv_of(toks)
+    ctx.store(kv, toks)
+    assert len(chunk_paths(ctx)) == 2
+    got = ctx.retrieve(toks)
+    assert got is not None
+    assert np.array_equal(got, kv[:, :, : 2 * C])
+
+
+def test_store_of_less_than_a_chunk_returns_false(ctx: SharedMemoryKVStore) -> None:
+    """Fewer tokens than a chunk: nothing to write, store returns False."""
+    toks = TOKENS[: C - 1]
+    assert ctx.store(kv_of(toks), toks) is False
+    assert chunk_paths(ctx) == []
+
+
+def test_store_returns_false_when_every_chunk_exists(
+    ctx: SharedMemoryKVStore,
+) -> None:
+    """Storing the same chunks again writes nothing and returns False."""
+    assert ctx.store(kv_of(TOKENS), TOKENS) is True
+    assert ctx.store(kv_of(TOKENS, seed=1), TOKENS) is False
+
+
+def test_store_writes_only_the_missing_chunks(ctx: SharedMemoryKVStore) -> None:
+    """Extending a cached prefix writes the new chunks and keeps the old."""
+    ctx.store(kv_of(TOKENS[:C]), TOKENS[:C])
+    longer = kv_of(TOKENS, seed=1)
+    assert ctx.store(longer, TOKENS)
+    got = ctx.retrieve(TOKENS)
+    assert got is not None
+    assert np.array_equal(got[:, :, :C], kv_of(TOKENS[:C])[:, :, :C])
+    assert np.array_equal(got[:, :, C:], longer[:, :, C:])
+    assert ctx.stats().writes == 3
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_values_round_trip_bit_exactly(stores: StoreFactory, dtype: type) -> None:
+    """float32, float16 and bfloat16 come back bit for bit (NaN, -0.0, inf too)."""
+    ctx = stores.connect(chunk_size=C)
+    kv = kv_of(TOKENS, dtype=dtype)
+    kv[0, 0, 0, :3] = np.array([np.nan, -0.0, np.inf]).astype(dtype)
+    ctx.store(kv, TOKENS)
+    got = ctx.retrieve(TOKENS)
+    assert got is not None
+    assert got.dtype == np.dtype(dtype)
+    assert np.array_equal(bits(got), bits(kv))
+
+
+def test_big_endian_input_is_stored_as_its_values(ctx: SharedMemoryKVStore) -> None:
+    """A big-endian float32 KV is stored by value and returned little-endian."""
+    kv = kv_of(TOKENS)
+    ctx.store(kv.astype(">f4"), TOKENS)
+    got = ctx.retrieve(TOKENS)
+    assert got is not None
+    assert got.dtype == np.dtype("<f4")
+    assert np.array_equal(got, kv)
+
+
+def test_non_contiguous_input_is_stored(ctx: SharedMemoryKVStore) -> None:
+    """A strided view (every other width column) stores its values."""
+    wide = kv_of(TOKENS, width=8)
+    kv = wide[:, :, :, ::2]
+    ctx.store(kv, TOKENS)
+    got = ctx.retrieve(TOKENS)
+    assert got is not None
+    assert np.array_equal(got, kv)
+
+
+def test_retrieve_returns_a_new_contiguous_array(ctx: SharedMemoryKVStore) -> None:
+    """Writing into a retrieved array does not change the stored chunks."""
+    ctx.store(kv_of(TOKENS), TOKENS)
+    first = ctx.retrieve(TOKENS)
+    assert first is not None
+    assert first.flags.c_contiguous and first.flags.owndata
+    first[...] = 0
+    again = ctx.retrieve(TOKENS)
+    assert again is not None
+    assert np.array_equal(again, kv_of(TOKENS))
+
+
+def test_numpy_int_tokens_hash_like_python_ints(ctx: SharedMemoryKVStore) -> None:
+    """Tokens as numpy int32/uint16 arrays or np.int64 items match plain ints."""
+    ctx.store(kv_of(TOKENS), TOKENS)
+    for toks in (
+        np.asarray(TOKENS, dtype=np.int32),
+        np.asarray(TOKENS, dtype=np.uint16),
+        [np.int64(t) for t in TOKENS],
+    ):
+        assert ctx.retrieve(toks) is not None
+
+
+def test_negative_token_is_rejected(ctx: SharedMemoryKVStore) -> None:
+    """A negative token id is a ValueError naming it."""
+    with pytest.raises(ValueError, match="-5"):
+        ctx.retrieve([1, 2, -5, 3])
+
+
+def test_non_integer_tokens_are_rejected(ctx: SharedMemoryKVStore) -> None:
+    """Float token ids are a TypeError, not silently truncated."""
+    with pytest.raises(TypeError, match="float64"):
+        ctx.store(kv_of(TOKENS), [float(t) for t in TOKENS])  # type: ignore[misc]
+
+
+def test_non_str_salt_is_rejected(ctx: SharedMemoryKVStore) -> None:
+    """cache_salt must be a str."""
+    with pytest.raises(TypeError, match="cache_salt"):
+        ctx.retrieve(TOKENS, cache_salt=b"x")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("layers", "width", "dtype"),
+    [(3, 4, np.float32), (2, 5, np.float32), (2, 4, np.float16)],
+)
+def test_layout_mismatch_raises_naming_both(
+    ctx: SharedMemoryKVStore, layers: int, width: int, dtype: type
+) -> None:
+    """A KV whose layers, width or dtype differ from the store's is refused."""
+    ctx.store(kv_of(TOKENS), TOKENS)
+    with pytest.raises(KVConfigError) as err:
+        ctx.store(kv_of(TOKENS, layers, width, dtype), TOKENS)
+    message = str(err.value)
+    assert "layers=2, width=4, dtype=float32" in message
+    assert f"layers={layers}, width={width}, dtype={np.dtype(dtype).name}" in message
+
+
+def test_layout_is_shared_by_every_handle(stores: StoreFactory) -> None:
+    """The first store fixes the layout for other handles of the store too."""
+    url = unique_url()
+    first, second = stores.connect(url, chunk_size=C), stores.connect(url, chunk_size=C)
+    assert second.layout is None
+    first.store(kv_of(TOKENS), TOKENS)
+    assert second.layout == (2, 4, np.dtype(np.float32))
+    with pytest.raises(KVConfigError):
+        second.store(kv_of(TOKENS, dtype=np.float16), TOKENS)
+
+
+def test_layout_given_at_connect_is_enforced(stores: StoreFactory) -> None:
+    """connect(layers, width, dtype) fixes the layout before any store."""
+    ctx = stores.connect(chunk_size=C, layers=2, width=4, dtype="bfloat16")
+    assert ctx.layout == (2, 4, np.dtype(ml_dtypes.bfloat16))
+    with pytest.raises(KVConfigError, match="bfloat16"):
+        ctx.store(kv_of(TOKENS), TOKENS)
+
+
+def test_connect_with_other_layout_than_the_named_store_raises(
+    stores: StoreFactory,
+) -> None:
+    """Opening a named store with a different layout is a KVConfigError."""
+    url = unique_url()
+    stores.connect(url, layers=2, width=4, dtype="float16")
+    with pytest.raises(KVConfigError, match="float16"):
+        stores.connect(url, layers=2, width=4, dtype="float32")
+
+
+def test_partial_layout_at_connect_raises(stores: StoreFactory) -> None:
+    """layers, width and dtype are given together or not at all."""
+    with pytest.raises(KVConfigError, match="width, dtype"):
+        stores.connect(layers=2)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int32, np.complex64])
+def test_unsupported_dtype_raises(ctx: SharedMemoryKVStore, dtype: type) -> None:
+    """Only float32, float16 and bfloat16 KV can be stored."""
+    with pytest.raises(KVConfigError, match=np.dtype(dtype).name):
+        ctx.store(kv_of(TOKENS).astype(dtype), TOKENS)
+
+
+def test_axis_2_length_must_match_tokens(ctx: SharedMemoryKVStore) -> None:
+    """A KV with more tokens on axis 2 than token ids is refused."""
+    with pytest.raises(KVConfigError, match=f"with {len(TOKENS) - 1} tokens"):
+        ctx.store(kv_of(TOKENS), TOKENS[:-1])
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 12), (3, 2, 12, 4), (2, 2, 12, 4, 1)])
+def test_kv_must_be_2_l_t_d(ctx: SharedMemoryKVStore, shape: tuple[int, ...]) -> None:
+    """A KV that is not 4-D with K/V on axis 0 is refused."""
+    with pytest.raises(KVConfigError, match="expected 4-D"):
+        ctx.store(np.zeros(shape, np.float32), TOKENS)
+
+
+@pytest.mark.parametrize("url", ["redis://localhost:6379", "foo://x", "mystore"])
+def test_unknown_scheme_lists_supported_ones(url: str) -> None:
+    """An unknown or missing scheme names itself and the supported schemes."""
+    with pytest.raises(KVConfigError) as err:
+        _connect.connect(url)
+    assert url in str(err.value)
+    assert "shm://" in str(err.value)
+    assert "file://" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "url", ["shm:///", "shm:///a/b", "shm:///.hidden", "shm:///x?y"]
+)
+def test_malformed_shm_url_raises(url: str) -> None:
+    """A shm:// URL needs one plain name."""
+    with pytest.raises(KVConfigError, match="shm:///NAME"):
+        _connect.connect(url)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_chunk_size_must_be_a_positive_int(bad: object) -> None:
+    """chunk_size 0, negative, float or bool is a KVConfigError."""
+    with pytest.raises(KVConfigError, match="chunk_size"):
+        _connect.connect(chunk_size=bad)  # type: ignore[arg-type]
+
+
+def test_named_store_is_shared_by_name(stores: StoreFactory) -> None:
+    """Two handles of shm:///NAME read each other's chunks."""
+    url = unique_url()
+    writer = stores.connect(url, chunk_size=C)
+    reader = stores.connect(url, chunk_size=C)
+    assert writer.path == reader.path and reader.url == url
+    writer.store(kv_of(TOKENS), TOKENS)
+    got = reader.retrieve(TOKENS)
+    assert got is not None
+    assert np.array_equal(got, kv_of(TOKENS))
+
+
+def test_file_scheme_uses_the_given_directory(
+    stores: StoreFactory, tmp_path: os.PathLike[str]
+) -> None:
+    """file:///PATH keeps the chunks in that directory."""
+    path = os.path.join(tmp_path, "kv")
+    ctx = stores.connect(f"file://{path}", chunk_size=C)
+    ctx.store(kv_of(TOKENS), TOKENS)
+    assert ctx.path == path and ctx.url == f"file://{path}"
+    assert len(chunk_paths(ctx)) == 3
+
+
+def test_falls_back_to_tempdir_without_dev_shm(
+    stores: StoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where /dev/shm is not writable, stores live in the temp directory."""
+    real_access = os.access
+    monkeypatch.setattr(
+        os, "access", lambda path, mode: path != "/dev/shm" and real_access(path, mode)
+    )
+    ctx = stores.connect()
+    assert os.path.dirname(ctx.path) == tempfile.gettempdir()
+
+
+def test_stats_count_this_handles_work(ctx: SharedMemoryKVStore) -> None:
+    """stats() counts chunks/bytes on disk and this handle's hits/misses/writes."""
+    ctx.store(kv_of(TOKENS), TOKENS)
+    ctx.retrieve(TOKENS)  # 3 hits
+    ctx.retrieve([*TOKENS[:C], 0, 0, 0, 0])  # 1 hit, 1 miss
+    ctx.retrieve([0] * C)  # 1 miss
+    payload = 2 * 2 * C * 4 * 4
+    assert ctx.stats() == StoreStats(
+        chunks=3,
+        bytes=3 * (HEADER_SIZE + payload),
+        hits=4,
+        misses=2,
+        evictions=0,
+        writes=3,
+        corrupt=0,
+    )
+
+
+def test_least_recently_used_chunk_is_evicted(stores: StoreFactory) -> None:
+    """Over capacity, the oldest untouched chunk goes; a retrieved one stays."""
+    chunk_bytes = HEADER_SIZE + 2 * 2 * C * 4 * 4
+    ctx = stores.connect(chunk_size=C, capacity_bytes=3 * chunk_bytes)
+    a, b, c, d = ([n] * C for n in (1, 2, 3, 4))
+    for toks in (a, b, c):
+        ctx.store(kv_of(toks), toks)
+    assert ctx.retrieve(a) is not None
+    ctx.store(kv_of(d), d)
+    assert ctx.retrieve(b) is None
+    assert all(ctx.retrieve(t) is not None for t in (a, c, d))
+    stats = ctx.stats()
+    assert (stats.chunks, stats.evictions) == (3, 1)
+
+
+def test_chunks_being_stored_are_not_evicted(stores: StoreFactory) -> None:
+    """A store over capacity keeps its own prefix and writes what fits."""
+    chunk_bytes = HEADER_SIZE + 2 * 2 * C * 4 * 4
+    ctx = stores.connect(chunk_size=C, capacity_bytes=2 * chunk_bytes)
+    with pytest.warns(RuntimeWarning, match="1 of 3 new chunks do not fit"):
+        assert ctx.store(kv_of(TOKENS), TOKENS)
+    got = ctx.retrieve(TOKENS)
+    assert got is not None and got.shape[2] == 2 * C
+
+
+def test_chunk_larger_than_capacity_is_not_stored(stores: StoreFactory) -> None:
+    """A chunk bigger than the whole capacity: store returns False and warns."""
+    ctx = stores.connect(chunk_size=C, capacity_bytes=100)
+    with pytest.warns(RuntimeWarning, match="capacity of 100 bytes"):
+        assert ctx.store(kv_of(TOKENS), TOKENS) is False
+    assert ctx.stats().chunks == 0
+
+
+def _flip_payload_byte(path: str) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(HEADER_SIZE + 5)
+        byte = fh.read(1)
+        fh.seek(HEADER_SIZE + 5)
+        fh.write(bytes([byte[0] ^ 0x01]))
+
+
+def _truncate(path: str) -> None:
+    os.truncate(path, os.path.getsize(path) - 1)
+
+
+def _bad_magic(path: str) -> None:
+    with open(path, "r+b") as fh:
+        fh.write(b"NOTACHNK")
+
+
+@pytest.mark.parametrize("damage", [_flip_payload_byte, _truncate, _bad_magic])
+def test_corrupt_chunk_is_a_warned_miss(
+    ctx: SharedMemoryKVStore, damage: Callable[[str], None]
+) -> None:
+    """Each damaged chunk warns, ends the prefix, is removed and re-stored."""
+    ctx.store(kv_of(TOKENS), TOKENS)
+    for path in chunk_paths(ctx):
+        damage(path)
+        with pytest.warns(CorruptChunkWarning, match="corrupt chunk"):
+            got = ctx.retrieve(TOKENS)
+        assert got is None or got.shape[2] < len(TOKENS)
+        assert not os.path.exists(path)
+        assert ctx.store(kv_of(TOKENS), TOKENS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = ctx.retrieve(TOKENS)
+    assert got is not None and np.array_equal(got, kv_of(TOKENS))
+    assert ctx.stats().corrupt == 3
+
+
+def test_destroy_removes_the_directory_and_is_idempotent(
+    stores: StoreFactory,
+) -> None:
+    """destroy() removes a named store; a second destroy() is a no-op."""
+    ctx = stores.named(chunk_size=C)
+    ctx.store(kv_of(TOKENS), TOKENS)
+    ctx.destroy()
+    assert not os.path.exists(ctx.path)
+    ctx.destroy()
+
+
+def test_destroy_of_a_store_already_gone_is_safe(stores: StoreFactory) -> None:
+    """destroy() on a handle whose directory another handle removed is fine."""
+    url = unique_url()
+    first, second = stores.connect(url), stores.connect(url)
+    first.destroy()
+    second.destroy()
+    assert not os.path.exists(second.path)
+
+
+def test_closing_the_owner_removes_a_temporary_store(stores: StoreFactory) -> None:
+    """close() of the connect() owner removes its directory; twice is fine."""
+    ctx = stores.connect(chunk_size=C)
+    ctx.store(kv_of(TOKENS), TOKENS)
+    ctx.close()
+    assert not os.path.exists(ctx.path)
+    ctx.close()
+
+
+def test_with_block_removes_a_temporary_store(stores: StoreFactory) -> None:
+    """Leaving ``with connect() as ctx`` removes the store."""
+    with stores.connect(chunk_size=C) as ctx:
+        ctx.store(kv_of(TOKENS), TOKENS)
+        assert os.path.isdir(ctx.path)
+    assert not os.path.exists(ctx.path)
+
+
+def test_garbage_collecting_the_owner_removes_the_store() -> None:
+    """Dropping the last reference to a connect() store removes it."""
+    ctx = _connect.connect(chunk_size=C)
+    path = ctx.path
+    del ctx
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_closing_a_named_store_keeps_it(stores: StoreFactory) -> None:
+    """close() of a named store keeps the chunks for the next opener."""
+    ctx = stores.named(chunk_size=C)
+    ctx.store(kv_of(TOKENS), TOKENS)
+    ctx.close()
+    again = stores.connect(ctx.url, chunk_size=C)
+    assert again.retrieve(TOKENS) is not None
+
+
+def test_a_closed_store_refuses_use(stores: StoreFactory) -> None:
+    """retrieve/store/stats on a closed handle raise KVStoreError."""
+    ctx = stores.named(chunk_size=C)
+    ctx.close()
+    with pytest.raises(KVStoreError, match="closed"):
+        ctx.retrieve(TOKENS)
+    with pytest.raises(KVStoreError, match="closed"):
+        ctx.store(kv_of(TOKENS), TOKENS)
+
+
+def test_pickle_holds_the_location_only(ctx: SharedMemoryKVStore) -> None:
+    """A pickled store carries no KV data and reconnects to the same chunks."""
+    big = list(range(64 * C))
+    ctx.store(kv_of(big, width=64), big)
+    blob = pickle.dumps(ctx)
+    assert len(blob) < 1000
+    copy = pickle.loads(blob)
+    assert (copy.path, copy.url, copy.chunk_size) == (ctx.path, ctx.url, C)
+    assert copy.capacity_bytes == ctx.capacity_bytes
+    got = copy.retrieve(big)
+    assert got is not None and got.shape[2] == len(big)
+    assert copy.stats().hits == 64
+
+
+def test_closing_an_unpickled_copy_keeps_the_store(ctx: SharedMemoryKVStore) -> None:
+    """An unpickled copy does not own the directory: its close() keeps it."""
+    ctx.store(kv_of(TOKENS), TOKENS)
+    copy = pickle.loads(pickle.dumps(ctx))
+    copy.close()
+    del copy
+    gc.collect()
+    assert ctx.retrieve(TOKENS) is not None
+
+
+def test_store_is_removed_at_interpreter_exit() -> None:
+    """A connect() store left open is removed when the interpreter exits."""
+    script = (
+        "import numpy as np, lmcache_mp.kv as kv\n"
+        "ctx = kv.connect(chunk_size=4)\n"
+        "ctx.store(np.ones((2, 1, 8, 2), np.float32), list(range(8)))\n"
+        "print(ctx.path, flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    path = done.stdout.strip()
+    assert done.returncode == 0, done.stderr
+    assert "lmcache" in path
+    assert not os.path.exists(path)
+
+
+def test_short_reads_and_writes_are_resumed(
+    ctx: SharedMemoryKVStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks survive readv/writev moving 7 bytes a call, 3 buffers at most."""
+    real_readv, real_writev = os.readv, os.writev
+    monkeypatch.setattr(_chunk, "_IOV_MAX", 3)
+    monkeypatch.setattr(os, "readv", lambda fd, bufs: real_readv(fd, [bufs[0][:7]]))
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: real_writev(fd, [bufs[0][:7]]))
+    kv = kv_of(TOKENS, layers=3)
+    ctx.store(kv, TOKENS)
+    got = ctx.retrieve(TOKENS)
+    assert got is not None and np.array_equal(got, kv)
+
+
+def test_threads_share_one_handle(stores: StoreFactory) -> None:
+    """Threads storing and retrieving through one lazily opened handle agree."""
+    copy = stores.track(pickle.loads(pickle.dumps(stores.connect(chunk_size=C))))
+
+    def work(n: int) -> bool:
+        toks = [n] * (3 * C)
+        copy.store(kv_of(toks, seed=n), toks)
+        got = copy.retrieve(toks)
+        return got is not None and np.array_equal(got, kv_of(toks, seed=n))
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(work, range(32), timeout=60))
+    assert copy.stats().writes == 32 * 3
+
+
+def test_unpickled_copy_of_a_destroyed_store_raises(
+    ctx: SharedMemoryKVStore,
+) -> None:
+    """A copy reconnecting after the store was destroyed gets KVStoreError."""
+    copy = pickle.loads(pickle.dumps(ctx))
+    ctx.destroy()
+    with pytest.raises(KVStoreError, match="does not exist"):
+        copy.retrieve(TOKENS)
