@@ -1,7 +1,15 @@
-"""post_completion engines: the embedded toy transformer."""
+"""post_completion engines: the embedded toy transformer and an OpenAI client."""
 
 from lmcache_mp.engine._config import EngineConfig
 from lmcache_mp.engine._embedded import EmbeddedEngine, EngineStats
 from lmcache_mp.engine._vocab import ToyVocab
+from lmcache_mp.engine.openai import OpenAICompletions, post_completion
 
-__all__ = ["EmbeddedEngine", "EngineConfig", "EngineStats", "ToyVocab"]
+__all__ = [
+    "EmbeddedEngine",
+    "EngineConfig",
+    "EngineStats",
+    "OpenAICompletions",
+    "ToyVocab",
+    "post_completion",
+]

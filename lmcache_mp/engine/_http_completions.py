@@ -1,0 +1,291 @@
+"""``POST /v1/completions`` for the embedded engine: request and responses.
+
+Parses an OpenAI completions request into what the engine takes, and
+builds the OpenAI-shaped JSON of a response, a stream chunk and usage
+(vLLM's extensions included: ``return_token_ids``, ``cache_salt``,
+``ignore_eos``, ``stop_token_ids``, ``stream_options.continuous_usage_stats``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmcache_mp.engine._http_server import APIError
+from lmcache_mp.engine._sampling import SamplingParams
+from lmcache_mp.errors import SamplingParamsError
+
+__all__ = ["CompletionRequest", "ResponseBuilder", "parse_request"]
+
+#: Request fields the engine samples with, passed to it as they are.
+SAMPLING_KEYS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "ignore_eos",
+    "stop_token_ids",
+)
+#: OpenAI fields the engine cannot honour, with the values that mean "off".
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "logprobs": (None,),
+    "suffix": (None, ""),
+    "stop": (None, "", []),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+}
+
+
+def _bad(message: str, param: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, code=code, param=param)
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A validated completions request.
+
+    Args:
+        prompt: The prompt's token ids (text prompts are tokenized).
+        sampling: The sampling params for the engine.
+        params: The same, validated.
+        stream: Answer with server-sent events.
+        include_usage: Send a usage chunk before ``[DONE]``.
+        continuous_usage: Put usage in every chunk too.
+        return_token_ids: Add ``token_ids`` (and ``prompt_token_ids``).
+        cache_salt: The isolation salt.
+    """
+
+    prompt: list[int]
+    sampling: dict[str, Any]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    return_token_ids: bool = False
+    cache_salt: str = ""
+
+
+def _flag(doc: dict[str, Any], key: str, where: str | None = None) -> bool:
+    value = doc.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(f"{where or key} is {value!r}, expected true or false", key)
+    return value
+
+
+def _prompt(value: Any, tokenize: Callable[[str], list[int]]) -> list[int]:
+    """Return the prompt's token ids; one prompt per request."""
+    # OpenAI's batch forms hold one prompt here: ["text"] or [[1, 2, 3]].
+    if (
+        isinstance(value, list)
+        and len(value) == 1
+        and isinstance(value[0], (str, list))
+    ):
+        value = value[0]
+    if isinstance(value, str):
+        return tokenize(value)
+    if isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        return list(value)
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        raise _bad(
+            f"prompt holds {len(value)} prompts; this server takes one per request",
+            "prompt",
+        )
+    raise _bad(
+        f"prompt is {str(value)[:100]}, expected a string or a list of token ids",
+        "prompt",
+    )
+
+
+def _sampling(doc: dict[str, Any]) -> tuple[dict[str, Any], SamplingParams]:
+    """Validate each sampling field on its own, so errors name the field."""
+    sampling = {k: doc[k] for k in SAMPLING_KEYS if doc.get(k) is not None}
+    for key, value in sampling.items():
+        try:
+            SamplingParams.from_mapping({key: value})
+        except SamplingParamsError as exc:
+            raise _bad(str(exc), key) from exc
+    return sampling, SamplingParams.from_mapping(sampling)
+
+
+def parse_request(
+    doc: Any, model_name: str, tokenize: Callable[[str], list[int]]
+) -> CompletionRequest:
+    """Validate a completions request body.
+
+    Args:
+        doc: The parsed JSON body.
+        model_name: The served model's name.
+        tokenize: Turns a text prompt into token ids.
+
+    Returns:
+        The request.
+
+    Raises:
+        APIError: 404 for another model, 400 for anything else invalid
+            (naming the field).
+    """
+    if not isinstance(doc, dict):
+        raise _bad(f"the body is {type(doc).__name__}, expected a JSON object", "")
+    model = doc.get("model")
+    if not isinstance(model, str):
+        raise _bad(f"model is {model!r}, expected a string", "model")
+    if model != model_name:
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {model_name!r}",
+            code="model_not_found",
+            param="model",
+        )
+    if "prompt" not in doc:
+        raise _bad("prompt is required", "prompt")
+    for key, off in _UNSUPPORTED.items():
+        if key in doc and not any(doc[key] == v for v in off):
+            raise _bad(
+                f"{key}={doc[key]!r} is not supported by the embedded engine",
+                key,
+                "unsupported_parameter",
+            )
+    prompt = _prompt(doc["prompt"], tokenize)
+    sampling, params = _sampling(doc)
+    stream = _flag(doc, "stream")
+    options = doc.get("stream_options")
+    if options is not None and not stream:
+        raise _bad("stream_options is only allowed with stream=true", "stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad(
+            f"stream_options is {options!r}, expected an object", "stream_options"
+        )
+    options = options or {}
+    include_usage = _flag(options, "include_usage", "stream_options.include_usage")
+    continuous = _flag(
+        options, "continuous_usage_stats", "stream_options.continuous_usage_stats"
+    )
+    salt = doc.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise _bad(f"cache_salt is {salt!r}, expected a string", "cache_salt")
+    return CompletionRequest(
+        prompt=prompt,
+        sampling=sampling,
+        params=params,
+        stream=stream,
+        include_usage=include_usage,
+        continuous_usage=include_usage and continuous,
+        return_token_ids=_flag(doc, "return_token_ids"),
+        cache_salt=salt or "",
+    )
+
+
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached: int | None
+) -> dict[str, Any]:
+    """Return an OpenAI usage object.
+
+    Args:
+        prompt_tokens: Tokens in the prompt.
+        completion_tokens: Tokens generated so far.
+        cached: Prompt tokens reused from the KV cache; ``None`` when not
+            known (no token was generated), giving null details.
+
+    Returns:
+        The usage object.
+    """
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": None if cached is None else {"cached_tokens": cached},
+    }
+
+
+@dataclass
+class ResponseBuilder:
+    """Builds the JSON of one request's response or stream chunks.
+
+    Args:
+        request: The request answered.
+        model: The served model's name.
+    """
+
+    request: CompletionRequest
+    model: str
+    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+    _sent_prompt: bool = False
+
+    def _choice(
+        self, text: str, ids: list[int], finish_reason: str | None
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        if self.request.return_token_ids:
+            if not self._sent_prompt:
+                # As vLLM: the prompt's ids go with the first chunk only.
+                choice["prompt_token_ids"] = self.request.prompt
+                self._sent_prompt = True
+            choice["token_ids"] = ids
+        return choice
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def chunk(
+        self,
+        text: str,
+        ids: list[int],
+        finish_reason: str | None,
+        usage_so_far: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Return one stream chunk.
+
+        Args:
+            text: The chunk's text.
+            ids: The chunk's token ids.
+            finish_reason: ``"stop"``, ``"length"`` or ``None``.
+            usage_so_far: Continuous usage, when asked for.
+
+        Returns:
+            The chunk.
+        """
+        doc = self._envelope([self._choice(text, ids, finish_reason)])
+        if usage_so_far is not None:
+            doc["usage"] = usage_so_far
+        return doc
+
+    def usage_chunk(self, final_usage: dict[str, Any]) -> dict[str, Any]:
+        """Return the last chunk: no choices, the usage."""
+        doc = self._envelope([])
+        doc["usage"] = final_usage
+        return doc
+
+    def response(
+        self,
+        text: str,
+        ids: list[int],
+        finish_reason: str,
+        final_usage: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Return a complete (non-streaming) response."""
+        doc = self._envelope([self._choice(text, ids, finish_reason)])
+        doc["usage"] = final_usage
+        return doc

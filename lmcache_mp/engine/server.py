@@ -1,0 +1,382 @@
+"""``lmcache-mp serve``: the embedded engine behind an OpenAI-compatible API.
+
+Routes: ``GET /health``, ``GET /v1/models`` and ``POST /v1/completions``
+(streaming and not; prompt as text or token ids; ``return_token_ids``;
+``stream_options.include_usage``; usage with
+``prompt_tokens_details.cached_tokens``). Errors are OpenAI-style JSON
+bodies with 4xx codes.
+
+With ``--store shm:///NAME`` the server's engine reads and writes the named
+shared-memory KV store, so that a batch opened on the same store sees the
+KV the server prefilled, and the server reuses the KV the batch edited (its
+``usage.prompt_tokens_details.cached_tokens`` shows it).
+
+Run ``lmcache-mp serve --port 0`` (or ``python -m lmcache_mp.engine.server``);
+its first line is ``lmcache-mp serve: listening on http://HOST:PORT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import ipaddress
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from types import FrameType, TracebackType
+from typing import Any
+
+from lmcache_mp.engine._config import KV_DTYPES, EngineConfig
+from lmcache_mp.engine._embedded import EmbeddedEngine
+from lmcache_mp.engine._http_handler import HTTPServer
+from lmcache_mp.engine._http_server import logger
+from lmcache_mp.errors import LMCacheError
+from lmcache_mp.kv import DEFAULT_CHUNK_SIZE, SharedMemoryKVStore, connect
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MODEL_NAME",
+    "EngineServer",
+    "cli",
+    "serve",
+]
+
+#: The model name the server answers to unless told otherwise.
+DEFAULT_MODEL_NAME = "lmcache-mp-embedded"
+_LISTENING = "lmcache-mp serve: listening on"
+#: Largest request body accepted by default (a long prompt's ids fit).
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+class EngineServer:
+    """A running OpenAI-compatible server of an embedded engine.
+
+    Made by :func:`serve`. It serves on a background thread, so it can be
+    used from tests and notebooks; :meth:`shutdown` (or leaving its ``with``
+    block) stops it, closes open connections and closes the KV store handle
+    (a temporary store is then removed; a named one stays).
+
+    Args:
+        engine: The engine to serve.
+        host: Address to listen on.
+        port: TCP port; 0 picks a free one.
+        model_name: The name clients must send as ``model``.
+        max_body_bytes: Largest request body accepted.
+        store: The store handle to close on shutdown, if the server owns it.
+
+    Raises:
+        OSError: If the address cannot be bound.
+    """
+
+    def __init__(
+        self,
+        engine: EmbeddedEngine,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        model_name: str = DEFAULT_MODEL_NAME,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        store: SharedMemoryKVStore | None = None,
+    ) -> None:
+        if not isinstance(model_name, str) or not model_name:
+            raise ValueError(f"model_name must be a non-empty str, got {model_name!r}")
+        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int):
+            raise ValueError(f"max_body_bytes must be an int, got {max_body_bytes!r}")
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        self.engine = engine
+        self.model_name = model_name
+        self.max_body_bytes = max_body_bytes
+        self._store = store
+        self._created = int(time.time())
+        self._httpd = HTTPServer((host, port), self)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name=f"lmcache-mp-serve-{self.port}",
+            daemon=True,
+        )
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+
+    @property
+    def host(self) -> str:
+        """The address listened on."""
+        return str(self._httpd.server_address[0])
+
+    @property
+    def port(self) -> int:
+        """The TCP port listened on (the real one when 0 was asked)."""
+        return int(self._httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """The base URL, e.g. ``http://127.0.0.1:8000``."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def __repr__(self) -> str:
+        return f"<EngineServer {self.url} model={self.model_name!r}>"
+
+    def start(self) -> EngineServer:
+        """Start serving on a background thread; return ``self``."""
+        self._thread.start()
+        return self
+
+    def models(self) -> dict[str, Any]:
+        """Return the ``GET /v1/models`` document."""
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": self._created,
+                    "owned_by": "lmcache-mp",
+                    "max_model_len": self.engine.config.max_position,
+                }
+            ],
+        }
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the server has been shut down.
+
+        Args:
+            timeout: Seconds to wait; ``None`` waits for good.
+
+        Returns:
+            Whether it has stopped.
+        """
+        return self._stopped.wait(timeout)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop serving, close connections and the store; idempotent.
+
+        Args:
+            timeout: Seconds to wait for in-flight requests to end once
+                their connections are closed.
+        """
+        with self._lock:
+            if self._stopped.is_set():
+                return
+            if self._thread.is_alive():
+                self._httpd.shutdown()
+                self._thread.join(timeout)
+            self._httpd.server_close()
+            if not self._httpd.close_connections(timeout):
+                logger.warning("some connections did not close in %ss", timeout)
+            if self._store is not None:
+                self._store.close()
+            self._stopped.set()
+
+    def __enter__(self) -> EngineServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+
+def serve(
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    store: str | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    config: EngineConfig | None = None,
+    model_name: str = DEFAULT_MODEL_NAME,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> EngineServer:
+    """Serve an embedded engine over HTTP on a background thread.
+
+    Example::
+
+        with serve(port=0, store="shm:///mystore", chunk_size=16) as server:
+            engine = post_completion(server.url, server.model_name)
+
+    Args:
+        host: Address to listen on (loopback by default: there is no
+            authentication).
+        port: TCP port; 0 picks a free one (see ``.url``).
+        store: KV store URL to attach to, e.g. ``"shm:///mystore"``, shared
+            with any process that opens it; ``None`` makes a temporary store
+            removed at shutdown.
+        chunk_size: Tokens per KV chunk; must match the chunk size the
+            other users of the store use.
+        config: The model; ``EngineConfig()`` by default.
+        model_name: The name clients send as ``model``.
+        max_body_bytes: Largest request body accepted (413 beyond).
+
+    Returns:
+        The running server.
+
+    Raises:
+        KVConfigError: For a bad store URL or chunk size, or a store whose
+            KV layout is not the model's.
+        KVStoreError: If the store cannot be opened.
+        OSError: If the address cannot be bound.
+        ValueError: For a bad model name or body limit.
+    """
+    config = config if config is not None else EngineConfig()
+    ctx = connect(
+        store,
+        chunk_size=chunk_size,
+        layers=config.layers,
+        width=config.width,
+        dtype=config.dtype,
+    )
+    try:
+        server = EngineServer(
+            EmbeddedEngine(ctx, config),
+            host=host,
+            port=port,
+            model_name=model_name,
+            max_body_bytes=max_body_bytes,
+            store=ctx,
+        )
+    except BaseException:
+        ctx.close()
+        raise
+    return server.start()
+
+
+def _parser() -> argparse.ArgumentParser:
+    defaults = EngineConfig()
+    parser = argparse.ArgumentParser(
+        prog="lmcache-mp serve",
+        description="Serve the embedded engine with an OpenAI-compatible API "
+        "(GET /health, GET /v1/models, POST /v1/completions).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (no auth!)"
+    )
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument(
+        "--store",
+        default=None,
+        metavar="URL",
+        help="KV store to share by name, e.g. shm:///mystore; none: a temporary one",
+    )
+    parser.add_argument(
+        "--chunk-size",
+        type=int,
+        default=DEFAULT_CHUNK_SIZE,
+        help="tokens per KV chunk; the same as the store's other users",
+    )
+    parser.add_argument(
+        "--model-name", default=DEFAULT_MODEL_NAME, help="the model clients ask for"
+    )
+    model = parser.add_argument_group("model (EngineConfig)")
+    for name in ("layers", "kv_heads", "head_dim", "d_model", "vocab_size", "seed"):
+        model.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=getattr(defaults, name),
+            help=name.replace("_", " "),
+        )
+    model.add_argument(
+        "--dtype", choices=KV_DTYPES, default=defaults.dtype, help="KV dtype"
+    )
+    model.add_argument(
+        "--max-position",
+        type=int,
+        default=defaults.max_position,
+        help="longest prompt + completion",
+    )
+    return parser
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """Make SIGINT and SIGTERM set ``stop`` (main thread only) while inside."""
+    previous: dict[signal.Signals, Any] = {}
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, on_signal)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def cli(argv: list[str]) -> int:
+    """Run ``lmcache-mp serve`` until SIGINT or SIGTERM.
+
+    Prints ``lmcache-mp serve: listening on http://HOST:PORT`` as its first
+    line once the server accepts connections.
+
+    Args:
+        argv: The arguments after ``serve``.
+
+    Returns:
+        The exit status: 0 after a clean shutdown, 1 if the server cannot
+        start (address in use, store unreadable), 2 for bad arguments.
+    """
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    stop = threading.Event()
+    # Handlers first: a signal that comes while starting still shuts down
+    # cleanly instead of raising KeyboardInterrupt mid-start.
+    with _stop_on_signals(stop):
+        try:
+            config = EngineConfig(
+                **{k: v for k, v in vars(args).items() if k in fields}
+            )
+            server = serve(
+                host=args.host,
+                port=args.port,
+                store=args.store,
+                chunk_size=args.chunk_size,
+                config=config,
+                model_name=args.model_name,
+            )
+        except OSError as exc:
+            print(f"lmcache-mp serve: cannot start: {exc}", file=sys.stderr)
+            return 1
+        except (ValueError, LMCacheError) as exc:
+            print(f"lmcache-mp serve: {exc}", file=sys.stderr)
+            return 2
+        try:
+            print(f"{_LISTENING} {server.url}", flush=True)
+            if not _is_loopback(server.host):
+                print(
+                    f"lmcache-mp serve: warning: {server.host} is not a loopback "
+                    "address and the API has no authentication",
+                    file=sys.stderr,
+                )
+            # Short waits: the main thread runs signal handlers between them.
+            while not stop.wait(0.2) and not server.wait(0):
+                pass
+        finally:
+            server.shutdown()
+    print("lmcache-mp serve: stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))
