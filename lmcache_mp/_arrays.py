@@ -30,11 +30,20 @@ def as_numpy(value: Any) -> npt.NDArray[Any]:
         raise TypeError("got None, expected an array")
     # torch without importing torch: a tensor has detach() and numpy().
     if hasattr(value, "detach") and hasattr(value, "numpy"):
-        value = value.detach().cpu().numpy()
+        tensor = value.detach().cpu()
+        if str(tensor.dtype) == "torch.bfloat16":
+            # numpy has no bfloat16: reinterpret the bits as ml_dtypes'.
+            import ml_dtypes
+            import torch
+
+            bits: npt.NDArray[Any] = tensor.view(torch.int16).numpy()
+            return bits.view(ml_dtypes.bfloat16)
+        value = tensor.numpy()
     try:
         arr = np.asarray(value)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"got {type(value).__name__}, expected an array") from exc
-    if arr.dtype == object or arr.ndim == 0:
+    # Strings, objects and datetimes are not KV (bfloat16 is kind "V").
+    if arr.dtype.kind in "OUSMm" or arr.ndim == 0:
         raise TypeError(f"got {type(value).__name__}, expected a numeric array")
     return arr
