@@ -28,13 +28,22 @@ def _children() -> set[int]:
     return found
 
 
+#: What lmcache_mp (store, pool) and multiprocessing (SharedMemory blocks,
+#: named semaphores) leave in shared memory when they leak.
+_SHM_PREFIXES = ("psm_", "sem.mp-", "wnsm_")
+
+
 def _store_files() -> set[str]:
-    return {name for name in os.listdir(shm_root()) if "lmcache" in name}
+    return {
+        name
+        for name in os.listdir(shm_root())
+        if "lmcache" in name or name.startswith(_SHM_PREFIXES)
+    }
 
 
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
-    """After every test: no new child process and no new store directory."""
+    """After every test: no new child process, store directory, or shared-memory segment."""
     before_children, before_files = _children(), _store_files()
     yield
     deadline = time.monotonic() + 10.0
