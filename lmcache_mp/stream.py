@@ -13,6 +13,8 @@ output before re-raising).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import logging
 import time
 import uuid
@@ -70,6 +72,28 @@ def _check_tokens(tokens: Iterable[Any], stream_id: str, what: str) -> list[int]
             )
         out.append(int(tok))
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _can_overwrite(ctx_type: type[Any]) -> bool:
+    """Whether a context type's ``store`` takes ``overwrite=``."""
+    try:
+        return "overwrite" in inspect.signature(ctx_type.store).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def _store_edit(ctx: KVContext, kv: Any, tokens: list[int], salt: str) -> bool:
+    """Store an edited KV, replacing cached chunks where the context can.
+
+    Upstream's store skips chunks already cached, so an edit that keeps the
+    tokens (quantization, smoothing) never lands and only logs "already
+    cached"; contexts whose ``store`` takes ``overwrite=`` (the embedded
+    store) replace those chunks instead.
+    """
+    if _can_overwrite(type(ctx)):
+        return bool(ctx.store(kv, tokens, salt, overwrite=True))  # type: ignore[call-arg]
+    return ctx.store(kv, tokens, salt)
 
 
 def _max_tokens(sampling_params: Mapping[str, Any], stream_id: str) -> int:
@@ -336,7 +360,7 @@ class LMCacheStream:
                 sid,
             )
         try:
-            wrote = self.ctx.store(arr, toks, self.cache_salt)
+            wrote = _store_edit(self.ctx, arr, toks, self.cache_salt)
         except (KVConfigError, TypeError, ValueError) as exc:
             raise StreamInputError(
                 f"stream {sid}: the store rejected the new KV: {exc}", sid

@@ -47,13 +47,18 @@ class InMemoryKV:
         return np.concatenate(parts, axis=2) if parts else None
 
     def store(
-        self, kv: np.ndarray, tokens: Sequence[int], cache_salt: str = ""
+        self,
+        kv: np.ndarray,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        *,
+        overwrite: bool = False,
     ) -> bool:
         wrote = False
         with self._lock:
             for end in range(self.chunk_size, len(tokens) + 1, self.chunk_size):
                 key = (cache_salt, tuple(tokens[:end]))
-                if key not in self.chunks:
+                if overwrite or key not in self.chunks:
                     self.chunks[key] = np.array(kv[:, :, end - self.chunk_size : end])
                     wrote = True
         return wrote

@@ -132,6 +132,16 @@ def test_store_returns_false_when_every_chunk_exists(
     assert ctx.store(kv_of(TOKENS, seed=1), TOKENS) is False
 
 
+def test_overwrite_replaces_cached_chunks(ctx: SharedMemoryKVStore) -> None:
+    """overwrite=True replaces chunks already cached (how same-token edits land)."""
+    ctx.store(kv_of(TOKENS), TOKENS)
+    edited = kv_of(TOKENS, seed=1)
+    assert ctx.store(edited, TOKENS, overwrite=True) is True
+    got = ctx.retrieve(TOKENS)
+    assert got is not None
+    np.testing.assert_array_equal(bits(got), bits(edited[:, :, : got.shape[2]]))
+
+
 def test_store_writes_only_the_missing_chunks(ctx: SharedMemoryKVStore) -> None:
     """Extending a cached prefix writes the new chunks and keeps the old."""
     ctx.store(kv_of(TOKENS[:C]), TOKENS[:C])

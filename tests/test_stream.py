@@ -315,3 +315,31 @@ def test_module_level_generate_delegates(kv: InMemoryKV, engine: FakeEngine) -> 
     s = lmc_stream.create_request(kv, engine, [1, 2])
     perf = lmc_stream.generate(s, {"max_tokens": 2}, [3])
     assert perf.input_tokens == 3 and s.decoded_tokens() == 2
+
+
+def test_an_edit_that_keeps_the_tokens_replaces_the_cached_kv(
+    kv: InMemoryKV, engine: FakeEngine
+) -> None:
+    """A same-token edit (e.g. quantization) lands: the store's chunks are replaced, not skipped."""
+    s = lmc_stream.create_request(kv, engine, list(range(8)))
+    s.generate({"max_tokens": 1})
+    s.modify_kv(lambda k, t: (np.round(k), t), timeout=1)
+    np.testing.assert_array_equal(
+        kv.retrieve(list(range(8))), np.round(kv_for(range(8)))
+    )
+
+
+def test_a_context_without_overwrite_keeps_upstream_semantics(
+    engine: FakeEngine,
+) -> None:
+    """A context whose store() has no overwrite= is called as upstream's: cached chunks stay."""
+
+    class PlainKV(InMemoryKV):
+        def store(self, kv: np.ndarray, tokens: Any, cache_salt: str = "") -> bool:  # type: ignore[override]
+            return super().store(kv, tokens, cache_salt)
+
+    ctx = PlainKV(4)
+    s = lmc_stream.create_request(ctx, FakeEngine(ctx), list(range(8)))
+    s.generate({"max_tokens": 1})
+    s.modify_kv(lambda k, t: (k + 1, t), timeout=1)
+    np.testing.assert_array_equal(ctx.retrieve(list(range(8))), kv_for(range(8)))

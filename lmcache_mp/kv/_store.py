@@ -271,7 +271,9 @@ class SharedMemoryKVStore:
             return np.ascontiguousarray(out[:, :, : got * size])
         return out
 
-    def store(self, kv: Any, tokens: Tokens, cache_salt: str = "") -> bool:
+    def store(
+        self, kv: Any, tokens: Tokens, cache_salt: str = "", *, overwrite: bool = False
+    ) -> bool:
         """Store every full chunk of ``kv`` that is not cached yet.
 
         Chunks already cached count as used (for eviction). When the new
@@ -285,6 +287,9 @@ class SharedMemoryKVStore:
                 stored.
             tokens: The token ids the KV belongs to.
             cache_salt: Isolation salt.
+            overwrite: Also replace the chunks already cached (each one
+                atomically): how an edit that keeps the tokens, such as
+                quantization, lands in the store.
 
         Returns:
             Whether any chunk was written.
@@ -309,7 +314,7 @@ class SharedMemoryKVStore:
         fd = self._dir_fd()
         layout = self._check_layout(fd, wanted)
         size = self._chunk_size
-        names, keys, missing = [], [], []
+        names, keys, missing, present = [], [], [], []
         now = time.time_ns()
         for index, key in enumerate(chunk_keys(toks, size, cache_salt)):
             name = key.hex() + CHUNK_SUFFIX
@@ -319,7 +324,10 @@ class SharedMemoryKVStore:
                 os.utime(name, ns=(now, now), dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
                 missing.append(index)
-        if not missing:
+            else:
+                present.append(index)
+        rewrite = present if overwrite else []
+        if not missing and not rewrite:
             return False
         fits, evicted = self._usage.make_room(
             fd, len(missing), chunk_file_size(layout, size), frozenset(names)
@@ -334,7 +342,7 @@ class SharedMemoryKVStore:
                 stacklevel=2,
             )
         raw = np.ascontiguousarray(arr, dtype=layout.dtype).view(np.uint8)
-        for index in missing[:fits]:
+        for index in missing[:fits] + rewrite:
             views = chunk_views(raw, index * size, (index + 1) * size)
             try:
                 write_chunk(fd, names[index], keys[index], views, layout, size)
@@ -343,7 +351,7 @@ class SharedMemoryKVStore:
                     f"{self._path}/{names[index]}: cannot write chunk: {exc}"
                 ) from exc
             self._counts.add(writes=1)
-        return fits > 0
+        return fits > 0 or bool(rewrite)
 
     def stats(self) -> StoreStats:
         """Return the store's size and this handle's counters.
