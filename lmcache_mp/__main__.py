@@ -1,0 +1,73 @@
+"""The ``lmcache-mp`` command: ``bench`` and ``serve``.
+
+``lmcache-mp bench`` compares the executors (see :mod:`lmcache_mp.bench`);
+``lmcache-mp serve`` runs the embedded engine behind an OpenAI-compatible
+HTTP server (see :mod:`lmcache_mp.engine.server`). Also runnable as
+``python -m lmcache_mp``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from lmcache_mp._bench_cli import add_bench_parser, run_bench_command
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """Build the top-level parser.
+
+    Returns:
+        The top-level parser and its ``bench`` subparser.
+    """
+    parser = argparse.ArgumentParser(
+        prog="lmcache-mp",
+        description="LMCache's Batched Stream SDK on a persistent process pool.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    bench = add_bench_parser(subparsers)
+    # Listed for --help only: main() hands "serve ..." to the server's own
+    # parser before this one sees its options.
+    subparsers.add_parser(
+        "serve",
+        help="serve the embedded engine over an OpenAI-compatible HTTP API "
+        "(lmcache-mp serve --help)",
+        add_help=False,
+    )
+    return parser, bench
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line.
+
+    Args:
+        argv: The arguments after the program name (default:
+            ``sys.argv[1:]``).
+
+    Returns:
+        The exit status. Usage errors exit with status 2 (argparse).
+    """
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["serve"]:
+        # Imported here: the server's dependencies load only when serving.
+        from lmcache_mp.engine.server import cli
+
+        return cli(args_list[1:])
+    parser, bench = build_parser()
+    args = parser.parse_args(args_list)
+    try:
+        return run_bench_command(bench, args)
+    except BrokenPipeError:
+        # Output piped into a reader that left (``| head``): not an error
+        # worth a traceback; stop writing to the closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""``lmcache-mp bench``: its arguments, and running it from them."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from lmcache_mp._bench_config import (
+    DEFAULT_KEEP,
+    DROPPING_EDITS,
+    SWEEPS,
+    BenchConfig,
+)
+from lmcache_mp._bench_plot import require_matplotlib
+from lmcache_mp.bench import run_bench
+from lmcache_mp.edits import EDITS
+from lmcache_mp.engine._config import KV_DTYPES
+from lmcache_mp.errors import KVConfigError, LMCacheError
+from lmcache_mp.executors import EXECUTOR_NAMES
+
+__all__ = ["add_bench_parser", "config_from_args", "run_bench_command"]
+
+_DEFAULTS = BenchConfig()
+
+
+def _int_at_least(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= {least}, got {text!r}"
+            ) from None
+        if value < least:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= {least}, got {value}"
+            )
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a fraction in (0, 1], got {text!r}"
+        ) from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
+    return value
+
+
+def _names(what: str, known: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    """A parser of comma-separated names, each one of ``known``, no repeats."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(part.strip() for part in text.split(",") if part.strip())
+        if not names:
+            raise argparse.ArgumentTypeError(
+                f"expected one or more {what}s separated by commas, got {text!r}"
+            )
+        for name in names:
+            if name not in known:
+                raise argparse.ArgumentTypeError(
+                    f"unknown {what} {name!r} (choose from {', '.join(known)})"
+                )
+        if len(set(names)) != len(names):
+            raise argparse.ArgumentTypeError(f"a {what} is named twice in {text!r}")
+        return names
+
+    return parse
+
+
+def add_bench_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Add the ``bench`` subcommand and its options.
+
+    Args:
+        subparsers: The top-level parser's subparsers.
+
+    Returns:
+        The ``bench`` parser.
+    """
+    d = _DEFAULTS
+    p = subparsers.add_parser(
+        "bench",
+        help="compare the executors on prefill -> modify -> decode",
+        description=(
+            "Run prefill -> modify -> decode on the embedded store and engine "
+            "once per executor, side by side on the same prompts, and print "
+            "one comparison table (wall time, speedup over threads, parallel "
+            "efficiency, bytes through pipes and through the store, peak "
+            "memory, throughput, TTFT/TPOT)."
+        ),
+    )
+    run = p.add_argument_group("what runs")
+    run.add_argument(
+        "--executors",
+        type=_names("executor", EXECUTOR_NAMES),
+        default=d.executors,
+        metavar="NAMES",
+        help=f"comma-separated, from {', '.join(EXECUTOR_NAMES)} "
+        f"(default: {','.join(d.executors)})",
+    )
+    run.add_argument(
+        "--edit",
+        type=_names("edit", sorted(EDITS)),
+        default=d.edits,
+        metavar="NAMES",
+        help=f"ready-made edit(s), comma-separated, from {', '.join(sorted(EDITS))}"
+        "; pyscore is the GIL-bound pure-Python scorer, redundancy the O(T^2) "
+        f"R-KV-style score (default: {','.join(d.edits)})",
+    )
+    run.add_argument(
+        "--keep",
+        type=_fraction,
+        default=None,
+        help=f"fraction of tokens the dropping edits ({', '.join(DROPPING_EDITS)}) "
+        f"keep (default: {DEFAULT_KEEP})",
+    )
+    _int(run, "--streams", 1, d.streams, "request streams")
+    _int(run, "--prompt-tokens", 1, d.prompt_tokens, "tokens per prompt")
+    _int(run, "--max-tokens", 1, d.max_tokens, "tokens each stream decodes")
+    _int(run, "--chunk-size", 1, d.chunk_size, "tokens per KV store chunk")
+    _int(run, "--seed", 0, d.seed, "seed of the prompts, weights and random edit")
+    model = p.add_argument_group("model size")
+    _int(model, "--layers", 1, d.layers, "transformer blocks")
+    _int(model, "--kv-heads", 1, d.kv_heads, "attention heads")
+    _int(model, "--head-dim", 2, d.head_dim, "channels per head, even")
+    model.add_argument(
+        "--dtype", choices=KV_DTYPES, default=d.dtype, help=f"(default: {d.dtype})"
+    )
+    pool = p.add_argument_group("executors")
+    pool.add_argument(
+        "--workers",
+        type=_int_at_least(1),
+        default=None,
+        metavar="N",
+        help="worker processes, or the thread cap (default: physical cores "
+        "for processes, one thread per stream)",
+    )
+    pool.add_argument(
+        "--start-method",
+        choices=multiprocessing.get_all_start_methods(),
+        default=d.start_method,
+        help=f"(default: {d.start_method})",
+    )
+    out = p.add_argument_group("measuring and output")
+    _int(out, "--repeat", 1, d.repeat, "runs per executor; shows median (min-max)")
+    out.add_argument(
+        "--sweep",
+        choices=SWEEPS,
+        default=None,
+        help="a scaling curve: workers 1..cores; streams or prompt-tokens "
+        "doubling up to their value",
+    )
+    out.add_argument("--json", metavar="PATH", help="write every figure as JSON")
+    out.add_argument(
+        "--plot", metavar="PATH", help="draw a PNG (needs the 'plot' extra)"
+    )
+    return p
+
+
+def _int(
+    group: argparse._ArgumentGroup, flag: str, least: int, default: int, text: str
+) -> None:
+    group.add_argument(
+        flag,
+        type=_int_at_least(least),
+        default=default,
+        metavar="N",
+        help=f"{text} (default: {default})",
+    )
+
+
+def _check_path(parser: argparse.ArgumentParser, flag: str, path: str | None) -> None:
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        parser.error(f"{flag} {path}: the folder {folder} does not exist")
+
+
+def config_from_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> BenchConfig:
+    """Build the config, turning a bad combination into a usage error (exit 2).
+
+    Args:
+        parser: The ``bench`` parser (for ``parser.error``).
+        args: Its parsed arguments.
+
+    Returns:
+        The config.
+    """
+    if args.keep is not None:
+        other = [e for e in args.edit if e not in DROPPING_EDITS]
+        if other:
+            which = (
+                f"edit {other[0]} keeps"
+                if len(other) == 1
+                else (f"edits {', '.join(other)} keep")
+            )
+            parser.error(
+                f"--keep applies to the dropping edits ({', '.join(DROPPING_EDITS)})"
+                f"; {which} every token"
+            )
+    _check_path(parser, "--json", args.json)
+    _check_path(parser, "--plot", args.plot)
+    if args.plot is not None:
+        try:
+            require_matplotlib()
+        except ImportError as exc:
+            parser.error(f"--plot: {exc}")
+    try:
+        return BenchConfig(
+            executors=args.executors,
+            streams=args.streams,
+            prompt_tokens=args.prompt_tokens,
+            layers=args.layers,
+            kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            dtype=args.dtype,
+            edits=args.edit,
+            keep=args.keep,
+            max_tokens=args.max_tokens,
+            workers=args.workers,
+            start_method=args.start_method,
+            repeat=args.repeat,
+            sweep=args.sweep,
+            chunk_size=args.chunk_size,
+            seed=args.seed,
+        )
+    except (ValueError, KVConfigError) as exc:
+        parser.error(f"invalid configuration: {exc}")
+
+
+def run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run ``lmcache-mp bench`` with parsed arguments.
+
+    Args:
+        parser: The ``bench`` parser.
+        args: Its parsed arguments.
+
+    Returns:
+        The exit status: 0, or 1 when a phase failed.
+    """
+    config = config_from_args(parser, args)
+    try:
+        result = run_bench(config)
+    except LMCacheError as exc:
+        print(f"lmcache-mp bench: error: {exc}", file=sys.stderr)
+        return 1
+    print(result.format())
+    if args.json is not None:
+        result.write_json(args.json)
+        print(f"\nJSON written to {args.json}")
+    if args.plot is not None:
+        result.write_plot(args.plot)
+        print(f"plot written to {args.plot}")
+    return 0

@@ -1,0 +1,175 @@
+"""Background helpers of the benchmark: peak memory and the progress line."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from types import TracebackType
+from typing import TextIO
+
+import psutil
+
+__all__ = ["PeakMemory", "ProgressLine"]
+
+#: Seconds between two memory samples.
+_SAMPLE_INTERVAL = 0.02
+#: Samples between two scans for child processes: listing children walks
+#: all of /proc, reading one process's RSS is a single small read.
+_RESCAN_EVERY = 50
+#: Seconds between two redraws of the progress line.
+_REDRAW_INTERVAL = 0.25
+
+
+class PeakMemory:
+    """Peak resident memory of this process plus all its descendants.
+
+    A daemon thread sums the RSS of the process and of every descendant
+    (worker processes, multiprocessing helpers) every ~20 ms, and keeps the
+    largest sum since the last :meth:`reset`. Pages shared between
+    processes (the KV store's mapped chunks, copy-on-write pages) are
+    counted once per process that maps them, so this is an upper bound.
+    """
+
+    def __init__(self) -> None:
+        self._me = psutil.Process(os.getpid())
+        self._procs: list[psutil.Process] = []
+        self._peak = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, name="lmcache-mp-bench-memory", daemon=True
+        )
+
+    def __enter__(self) -> PeakMemory:
+        self._rescan()
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def _rescan(self) -> None:
+        try:
+            children = self._me.children(recursive=True)
+        except psutil.Error:
+            children = []
+        self._procs = [self._me, *children]
+
+    def sample(self) -> int:
+        """Take one sample now and return it (bytes).
+
+        Returns:
+            The summed RSS of the process and its known descendants.
+        """
+        total = 0
+        for proc in self._procs:
+            try:
+                total += proc.memory_info().rss
+            except psutil.Error:
+                # A worker that exited between the scan and the read.
+                continue
+        with self._lock:
+            self._peak = max(self._peak, total)
+        return total
+
+    def _loop(self) -> None:
+        count = 0
+        while not self._stop.wait(_SAMPLE_INTERVAL):
+            count += 1
+            if count % _RESCAN_EVERY == 0:
+                self._rescan()
+            self.sample()
+
+    def reset(self) -> int:
+        """Rescan the descendants, restart the peak from a fresh sample.
+
+        Returns:
+            The peak (bytes) since the previous reset, including the
+            fresh sample (so a phase's peak covers its last moment).
+        """
+        self._rescan()
+        last = self.sample()
+        with self._lock:
+            peak, self._peak = self._peak, last
+        return peak
+
+
+class ProgressLine:
+    """A one-line ``[executor] phase 1.2 s elapsed`` display on a terminal.
+
+    Redrawn in place (carriage return) by a daemon thread while the block
+    runs, then erased. Silent unless the stream is a TTY, so pipes, files
+    and CI logs stay clean.
+
+    Args:
+        label: What runs, e.g. ``"[process] modify"``.
+        stream: Where to draw (default: ``sys.stderr`` now).
+        enabled: ``None`` (default): draw when the stream is a TTY;
+            ``False``: never draw; ``True``: always draw.
+    """
+
+    def __init__(
+        self, label: str, stream: TextIO | None = None, enabled: bool | None = None
+    ) -> None:
+        self._label = label
+        self._stream = stream if stream is not None else sys.stderr
+        self._enabled = _is_tty(self._stream) if enabled is None else enabled
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._start = 0.0
+        self._width = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the line is drawn (the stream is a TTY)."""
+        return self._enabled
+
+    def __enter__(self) -> ProgressLine:
+        self._start = time.perf_counter()
+        if self._enabled:
+            self._draw()
+            self._thread = threading.Thread(
+                target=self._loop, name="lmcache-mp-bench-progress", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        if self._enabled:
+            self._stream.write("\r" + " " * self._width + "\r")
+            self._stream.flush()
+
+    def _draw(self) -> None:
+        text = f"{self._label} {time.perf_counter() - self._start:.1f} s elapsed"
+        self._width = max(self._width, len(text))
+        self._stream.write("\r" + text.ljust(self._width))
+        self._stream.flush()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(_REDRAW_INTERVAL):
+            self._draw()
+
+
+def _is_tty(stream: TextIO) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        # Closed or fake streams.
+        return False

@@ -1,0 +1,179 @@
+"""One benchmark run: one executor, prefill -> modify -> decode, on a fresh store."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmcache_mp._bench_config import BenchConfig
+from lmcache_mp._bench_monitor import PeakMemory, ProgressLine
+from lmcache_mp._pool import ProcessExecutor
+from lmcache_mp.batch import LMCacheBatchedStream
+from lmcache_mp.edits import Edit
+from lmcache_mp.engine import EmbeddedEngine
+from lmcache_mp.executors import limit_blas_while, physical_cores
+from lmcache_mp.kv import connect
+from lmcache_mp.metrics import Metrics
+from lmcache_mp.stream import create_request
+
+__all__ = ["PHASES", "PhaseFigures", "RunFigures", "run_once"]
+
+#: The phases, in the order they run.
+PHASES = ("prefill", "modify", "decode")
+#: Modules each worker imports while the pool starts, so that the first
+#: phase does not pay for them (they are what the phases unpickle).
+_PRELOAD = ("lmcache_mp.engine", "lmcache_mp.edits")
+
+
+@dataclass
+class PhaseFigures:
+    """What one phase of one run measured.
+
+    Args:
+        wall_s: Wall-clock seconds of the phase.
+        per_stream_s: Sum of the streams' own durations.
+        pickled_bytes: Bytes pickled to and from workers.
+        peak_rss_bytes: Peak RSS of the parent plus its descendants.
+        report: The phase's report, ``Metrics.to_dict()``.
+    """
+
+    wall_s: float
+    per_stream_s: float
+    pickled_bytes: int
+    peak_rss_bytes: int
+    report: dict[str, Any]
+
+    def metric(self, section: str, key: str) -> Any:
+        """A value of the report, ``None`` when it has no such entry."""
+        return self.report.get("metrics", {}).get(section, {}).get(key)
+
+
+@dataclass
+class RunFigures:
+    """What one run of one executor measured.
+
+    Args:
+        executor: The executor's name.
+        workers: Worker processes or threads it used.
+        pool_start_s: Seconds to start the worker pool, before the phases
+            (0 for in-process executors).
+        phases: Figures per phase name.
+        outputs: Each stream's generated token ids, in prompt order.
+    """
+
+    executor: str
+    workers: int
+    pool_start_s: float
+    phases: dict[str, PhaseFigures] = field(default_factory=dict)
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def peak_rss_bytes(self) -> int:
+        """The largest phase peak (the pool start included)."""
+        return max((p.peak_rss_bytes for p in self.phases.values()), default=0)
+
+
+def _transport_bytes(report: dict[str, Any]) -> int:
+    transport = report.get("metrics", {}).get("transport", {})
+    return int(transport.get("pickled_bytes_sent", 0)) + int(
+        transport.get("pickled_bytes_received", 0)
+    )
+
+
+def _workers(batch: LMCacheBatchedStream, config: BenchConfig) -> int:
+    if batch.executor.name == "thread":
+        return config.workers or config.streams
+    return batch.executor.workers
+
+
+def run_once(
+    config: BenchConfig, executor: str, edit: Edit, *, progress: bool | None = None
+) -> RunFigures:
+    """Run prefill -> modify -> decode on one executor, on a fresh store.
+
+    The store is new, so the prefill computes every prompt token; the
+    engine's weights depend only on the config, so every executor decodes
+    the same model. Decoding is greedy (temperature 0) and ignores EOS, so
+    every stream decodes exactly ``max_tokens`` tokens and the outputs are
+    comparable across executors.
+
+    Args:
+        config: The benchmark (one sweep point of it).
+        executor: ``"serial"``, ``"thread"`` or ``"process"``.
+        edit: The modify fn.
+        progress: Draw a progress line on stderr (``None``: when it is a
+            TTY; ``False``: never).
+
+    Returns:
+        The run's figures.
+
+    Raises:
+        LMCacheBatchedStreamError: If a stream failed in a phase.
+    """
+    engine_config = config.engine_config()
+    store = connect(
+        chunk_size=config.chunk_size,
+        layers=engine_config.layers,
+        width=engine_config.width,
+        dtype=engine_config.dtype,
+    )
+    try:
+        engine = EmbeddedEngine(store, engine_config)
+        with LMCacheBatchedStream(
+            executor,
+            max_workers=config.workers,
+            mp_context=config.start_method,
+            preload=_PRELOAD,
+        ) as batch:
+            for prompt in config.prompts():
+                batch.add(create_request(store, engine, prompt))
+            # The serial run is the one-core baseline: like every stream of
+            # the other executors, it gets one BLAS thread (cores // cores).
+            cap: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+            if executor == "serial":
+                cap = limit_blas_while(physical_cores())
+            with cap:
+                return _run_phases(config, batch, edit, progress)
+    finally:
+        store.destroy()
+
+
+def _run_phases(
+    config: BenchConfig,
+    batch: LMCacheBatchedStream,
+    edit: Edit,
+    progress: bool | None,
+) -> RunFigures:
+    name = batch.executor.name
+    greedy = {"temperature": 0.0}
+    decode_params = {"max_tokens": config.max_tokens, "ignore_eos": True, **greedy}
+    calls: dict[str, Callable[[], Metrics]] = {
+        "prefill": lambda: batch.prefill(greedy),
+        "modify": lambda: batch.modify(edit),
+        "decode": lambda: batch.decode(decode_params),
+    }
+    with PeakMemory() as memory:
+        start_s = 0.0
+        if isinstance(batch.executor, ProcessExecutor):
+            with ProgressLine(f"[{name}] pool start", enabled=progress):
+                start_s = batch.executor.start(config.streams)
+        memory.reset()
+        run = RunFigures(name, _workers(batch, config), start_s)
+        for phase in PHASES:
+            with ProgressLine(f"[{name}] {phase}", enabled=progress):
+                begin = time.perf_counter()
+                metrics = calls[phase]()
+                wall = time.perf_counter() - begin
+            report = metrics.to_dict()
+            if phase == "modify":
+                per_stream = sum(m.duration for m in batch.modify_metrics.values())
+            else:
+                per_stream = sum(p.duration for p in batch.perf_metrics.values())
+            run.phases[phase] = PhaseFigures(
+                wall, per_stream, _transport_bytes(report), memory.reset(), report
+            )
+    run.outputs = [s.output_tokens() for s in batch.streams.values()]
+    return run

@@ -1,0 +1,221 @@
+"""The benchmark's text report: one comparison table per point, and notes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tabulate import tabulate
+
+from lmcache_mp._bench_config import DROPPING_EDITS
+from lmcache_mp._bench_figures import BASIS_SERIAL
+
+__all__ = ["format_header", "format_point"]
+
+_HEADERS = [
+    "phase",
+    "executor",
+    "workers",
+    "wall s",
+    "x thread",
+    "efficiency",
+    "tok/s",
+    "p50 ms",
+    "p99 ms",
+    "pickled",
+    "KV via store",
+    "peak RSS",
+]
+#: The p50/p99 columns' figures per phase (modify has a max, not a p99).
+_LATENCY = {
+    "prefill": ("ttft_p50_ms", "ttft_p99_ms"),
+    "modify": ("stream_p50_ms", "stream_max_ms"),
+    "decode": ("tpot_p50_ms", "tpot_p99_ms"),
+}
+
+
+def _bytes(value: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _cell(fig: dict[str, Any] | None, fmt: Callable[[float], str]) -> str:
+    """``median``, then ``(min-max)`` when repeats differ at this precision."""
+    if fig is None:
+        return "-"
+    low, high = fmt(fig["min"]), fmt(fig["max"])
+    text = fmt(fig["median"])
+    return text if low == high else f"{text} ({low}-{high})"
+
+
+def _fixed(digits: int) -> Callable[[float], str]:
+    return lambda v: f"{v:.{digits}f}"
+
+
+def _speedup(v: float) -> str:
+    return f"{v:.2f}x"
+
+
+def _percent(v: float) -> str:
+    return f"{100 * v:.0f}%"
+
+
+def _rows(point: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    executors: dict[str, Any] = point["executors"]
+    for name, ex in executors.items():
+        if name == "process":
+            start = _cell(ex["pool_start_s"], _fixed(3))
+            rows.append(["pool start", name, str(ex["workers"]), start] + ["-"] * 8)
+    for phase, (p50, p99) in _LATENCY.items():
+        for name, ex in executors.items():
+            fig = ex["phases"][phase]
+            rows.append(
+                [
+                    phase,
+                    name,
+                    str(ex["workers"]),
+                    _cell(fig["wall_s"], _fixed(3)),
+                    _cell(fig["speedup_vs_thread"], _speedup),
+                    _cell(fig["efficiency"], _percent),
+                    _cell(fig["throughput_tok_s"], _fixed(0)),
+                    _cell(fig[p50], _fixed(2)),
+                    _cell(fig[p99], _fixed(2)),
+                    _cell(fig["pickled_bytes"], _bytes),
+                    _cell(fig["kv_bytes"], _bytes),
+                    _cell(fig["peak_rss_bytes"], _bytes),
+                ]
+            )
+    return rows
+
+
+def format_header(result: dict[str, Any]) -> str:
+    """The lines describing the run: config and machine.
+
+    Args:
+        result: The benchmark's JSON-ready result.
+
+    Returns:
+        The text, without a trailing newline.
+    """
+    cfg, machine = result["config"], result["machine"]
+    kv_per_stream = (
+        2 * cfg["layers"] * cfg["kv_heads"] * cfg["head_dim"] * cfg["prompt_tokens"]
+    ) * (4 if cfg["dtype"] == "float32" else 2)
+    lines = [
+        f"lmcache-mp bench: {cfg['streams']} streams x {cfg['prompt_tokens']} "
+        f"prompt tokens, decode {cfg['max_tokens']} tokens; model {cfg['layers']} "
+        f"layers x {cfg['kv_heads']} heads x {cfg['head_dim']} dims, "
+        f"{cfg['dtype']} KV ({_bytes(kv_per_stream)} per prompt); chunk "
+        f"{cfg['chunk_size']}; start method {cfg['start_method']}; "
+        f"repeat {cfg['repeat']}; seed {cfg['seed']}",
+        f"machine: {machine['cores_physical']} physical / "
+        f"{machine['cores_logical']} logical cores ({machine['cpu_model']}), "
+        f"{_bytes(machine['memory_total_bytes'])} RAM, Python "
+        f"{machine['python']}, numpy {machine['numpy']}, load average "
+        f"{machine['load_average_1m']} at start",
+    ]
+    return "\n".join(lines)
+
+
+def _edit_line(point: dict[str, Any]) -> str:
+    params = ", ".join(f"{k}={v}" for k, v in point["edit_params"].items())
+    text = f"edit {point['edit']}({params})"
+    if point["sweep_value"] is not None:
+        sweep = point["config"]["sweep"]
+        text = f"{sweep} = {point['sweep_value']}: {text}"
+    return text
+
+
+def _first(point: dict[str, Any], phase: str, key: str) -> str:
+    """A token count, as one number when every executor agrees."""
+    values = {
+        ex["phases"][phase][key]["median"]
+        for ex in point["executors"].values()
+        if ex["phases"][phase][key] is not None
+    }
+    return " / ".join(f"{v:,.0f}" for v in sorted(values)) or "-"
+
+
+def _notes(point: dict[str, Any]) -> list[str]:
+    ideal = point["ideal_parallelism"]
+    notes = [
+        "x thread: the thread executor's wall time / this one's (above 1: faster).",
+        f"efficiency: serial time / (wall x min(cores, streams) = {ideal}); "
+        f"serial time = {point['serial_basis']}.",
+    ]
+    if point["serial_basis"] != BASIS_SERIAL:
+        notes.append(
+            "  (prefill/decode efficiency needs a serial run: --executors "
+            "serial,thread,process)"
+        )
+    notes += [
+        "p50/p99 ms: TTFT for prefill, TPOT for decode; for modify, the "
+        "per-stream edit time p50/max.",
+        "pickled: bytes pickled through the pipes to and from workers; KV via "
+        "store: KV bytes the edit read + wrote through the shared-memory store.",
+        "peak RSS: parent + all child processes, sampled every 20 ms "
+        "(shared pages counted in each process).",
+        f"tokens: prefill {_first(point, 'prefill', 'input_tokens')} prompt "
+        f"tokens computed; modify {_first(point, 'modify', 'tokens_before')} -> "
+        f"{_first(point, 'modify', 'tokens_after')}; decode "
+        f"{_first(point, 'decode', 'cache_hit_tokens')} cache-hit tokens, "
+        f"{_first(point, 'decode', 'output_tokens')} generated.",
+    ]
+    streams = point["config"]["streams"]
+    if point["outputs_agree"]:
+        notes.append(
+            f"decode outputs: identical across executors and repeats "
+            f"({streams} streams, greedy)."
+        )
+    else:
+        notes.append(
+            f"decode outputs: DIFFER in {point['mismatched_streams']} of "
+            f"{streams} streams across executors/repeats."
+        )
+    executors = point["executors"]
+    if "serial" in executors:
+        notes.append("serial: one stream at a time, one BLAS thread (one core).")
+    process = executors.get("process")
+    if process is not None and "thread" in executors:
+        speedup = process["phases"]["modify"]["speedup_vs_thread"]["median"]
+        notes.append(
+            f"modify, process vs thread: {speedup:.2f}x (project goals: >= "
+            f"{0.9 * ideal:.2f}x on a GIL-bound edit such as pyscore; >= "
+            f"{1 / 1.2:.2f}x, i.e. within 1.2x, on overhead-dominated edits)."
+        )
+    if process is not None:
+        during = sum(
+            (process["phases"][p]["pool_start_s"] or {"median": 0.0})["median"]
+            for p in _LATENCY
+        )
+        notes.append(
+            f"pool start: {process['pool_start_s']['median']:.3f} s before the "
+            f"phases (not in their wall time); {during:.3f} s of restarts "
+            "during the phases."
+        )
+    return notes
+
+
+def format_point(point: dict[str, Any]) -> str:
+    """Render one point: the edit, the comparison table, the notes.
+
+    Args:
+        point: One element of the result's ``points``.
+
+    Returns:
+        The text, without a trailing newline.
+    """
+    table = tabulate(
+        _rows(point), headers=_HEADERS, tablefmt="simple", disable_numparse=True
+    )
+    notes = _notes(point)
+    if point["edit"] not in DROPPING_EDITS:
+        notes.append(
+            f"note: {point['edit']} keeps the token ids, and the store keys chunks "
+            "by token ids: the edited KV is not stored over the cached chunks "
+            "(the library warns once per stream)."
+        )
+    return "\n".join([_edit_line(point), table, *notes])
