@@ -37,7 +37,8 @@ def main() -> None:
     results = batch.decode({"max_tokens": 256})  # returns Metrics
     results.emit()  # print the Metric in a table on terminal
     data = results.to_dict()  # to get the Metric as a dictionary
-    print(f"decode throughput: {data['metrics']['results']['output_tput']:.1f} tokens/s")
+    tput = data["metrics"]["results"]["output_tput"]
+    print(f"decode throughput: {tput:.1f} tokens/s")
     batch.close()
     ctx.close()
 

@@ -214,8 +214,8 @@ def format_point(point: dict[str, Any]) -> str:
     notes = _notes(point)
     if point["edit"] not in DROPPING_EDITS:
         notes.append(
-            f"note: {point['edit']} keeps the token ids, and the store keys chunks "
-            "by token ids: the edited KV is not stored over the cached chunks "
-            "(the library warns once per stream)."
+            f"note: {point['edit']} keeps the token ids: its KV replaces the "
+            "cached chunks of the same tokens (store(..., overwrite=True)), so "
+            "decode reads the edited KV."
         )
     return "\n".join([_edit_line(point), table, *notes])
