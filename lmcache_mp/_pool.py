@@ -33,7 +33,7 @@ import signal
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
-from concurrent.futures.process import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool, ProcessPoolExecutor
 from multiprocessing.process import BaseProcess
 
 from lmcache_mp._dispatch import JOIN_TIMEOUT, ShardExecutor, fail_all
@@ -179,12 +179,22 @@ class ProcessExecutor(ShardExecutor):
             initargs=(blas, self._preload),
         )
         self._pool, self._n = pool, n
-        with _blas_env(blas):
-            seen: set[int] = set()
-            deadline = time.monotonic() + JOIN_TIMEOUT
-            while len(seen) < n and time.monotonic() < deadline:
-                pings = [pool.submit(_ping) for _ in range(n)]
-                seen.update(f.result(timeout=JOIN_TIMEOUT) for f in pings)
+        try:
+            with _blas_env(blas):
+                seen: set[int] = set()
+                deadline = time.monotonic() + JOIN_TIMEOUT
+                while len(seen) < n and time.monotonic() < deadline:
+                    pings = [pool.submit(_ping) for _ in range(n)]
+                    seen.update(f.result(timeout=JOIN_TIMEOUT) for f in pings)
+        except BrokenProcessPool as exc:
+            self._discard(kill=True)
+            raise TerminatedWorkerError(
+                f"the {self._mp_context} worker processes died while starting "
+                "(their stderr says why). A script that uses the process "
+                "executor must guard its entry point with "
+                "`if __name__ == '__main__':`, because each worker imports the "
+                "main module."
+            ) from exc
         self._procs = dict(getattr(pool, "_processes", None) or {})
         return time.perf_counter() - begin
 

@@ -34,6 +34,15 @@ class InMemoryKV:
         self.chunks: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy per process (not shared): enough for tests that only need
+        # the context to reach a worker.
+        return {"chunk_size": self.chunk_size, "chunks": dict(self.chunks)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def retrieve(
         self, tokens: Sequence[int], cache_salt: str = ""
     ) -> np.ndarray | None:

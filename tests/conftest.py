@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Iterator
@@ -28,9 +29,12 @@ def _children() -> set[int]:
     return found
 
 
-#: What lmcache_mp (store, pool) and multiprocessing (SharedMemory blocks,
-#: named semaphores) leave in shared memory when they leak.
-_SHM_PREFIXES = ("psm_", "sem.mp-", "wnsm_")
+#: What multiprocessing's SharedMemory blocks are named in /dev/shm.
+_SHM_PREFIXES = ("psm_", "wnsm_")
+#: multiprocessing's named semaphores (a pool's queues): unlinked when
+#: their objects are collected, which pytest delays until after a test's
+#: teardown (it holds the fixture values), so they are checked per session.
+_SEMAPHORE_PREFIX = "sem.mp-"
 
 
 def _store_files() -> set[str]:
@@ -41,13 +45,30 @@ def _store_files() -> set[str]:
     }
 
 
+def _semaphores() -> set[str]:
+    return {n for n in os.listdir(shm_root()) if n.startswith(_SEMAPHORE_PREFIX)}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_leaked_semaphores() -> Iterator[None]:
+    """After the whole session: no named semaphore left behind by a pool."""
+    before = _semaphores()
+    yield
+    gc.collect()
+    left = _semaphores() - before
+    assert not left, f"semaphores left behind in {shm_root()}: {sorted(left)}"
+
+
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
-    """After every test: no new child process, store directory, or shared-memory segment."""
+    """After every test: no new child process, store directory or shared-memory block."""
     before_children, before_files = _children(), _store_files()
     yield
     deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline:
+        # Named semaphores of spawn/forkserver queues are unlinked when their
+        # objects are collected, which a reference cycle can delay.
+        gc.collect()
         left = _children() - before_children
         files = _store_files() - before_files
         if not left and not files:

@@ -130,3 +130,30 @@ def test_an_unclosed_batch_leaves_no_worker_at_interpreter_exit(tmp_path: Any) -
     while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(pids) == 2 and not any(psutil.pid_exists(p) for p in pids)
+
+
+def test_a_script_without_a_main_guard_gets_a_clear_error(tmp_path: Any) -> None:
+    """Workers that die at start (unguarded script under spawn) raise TerminatedWorkerError naming the fix."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {os.getcwd()!r})
+            import lmcache_mp.batch as lmc_batch, lmcache_mp.stream as lmc_stream
+            from tests._fakes import FakeEngine, InMemoryKV
+            from lmcache_mp.errors import TerminatedWorkerError
+            ctx = InMemoryKV(4)
+            batch = lmc_batch.LMCacheBatchedStream("process", max_workers=1)
+            batch.add(lmc_stream.create_request(ctx, FakeEngine(ctx), [1, 2, 3, 4]))
+            try:
+                batch.prefill({{}})
+            except TerminatedWorkerError as exc:
+                print("ERROR:", exc)
+            """
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert "ERROR:" in out.stdout and "__name__ == '__main__'" in out.stdout
