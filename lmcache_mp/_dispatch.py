@@ -147,10 +147,18 @@ class ShardExecutor(PhaseExecutor):
             f.write(blob)
         os.mkdir(marker_dir, 0o700)
         result.bytes_sent += len(blob)
+        start_error: BrokenProcessPool | None = None
         try:
             pending = list(range(len(jobs)))
             for _ in range(_MAX_ROUNDS):
-                executor = self._executor(len(jobs), result)
+                try:
+                    executor = self._executor(len(jobs), result)
+                except BrokenProcessPool as exc:
+                    # A worker died while the pool started: no stream ran.
+                    start_error = exc
+                    result.pool_rebuilds += 1
+                    continue
+                start_error = None
                 task = ShardTask(
                     spec_path, digest, [], [], spec.kind == "generate", marker_dir
                 )
@@ -172,6 +180,8 @@ class ShardExecutor(PhaseExecutor):
                 if not pending:
                     break
             else:
+                if start_error is not None:
+                    raise start_error
                 error = TerminatedWorkerError(
                     f"worker processes died in {_MAX_ROUNDS} pools in a row"
                 )
@@ -257,13 +267,16 @@ class ShardExecutor(PhaseExecutor):
         result: PhaseRun,
     ) -> list[int]:
         """Record a finished task's outcomes; return its jobs if it was lost."""
-        try:
-            blobs = future.result()
-        except BrokenProcessPool:
+        # exception(), not a raising result(): a raised exception's traceback
+        # would hold this frame, the future and (through f_back) a broken
+        # pool, keeping its pipes and semaphores until the next collection.
+        error = future.exception()
+        if isinstance(error, BrokenProcessPool):
             return nos
-        except Exception as exc:
-            fail_all(result, jobs, nos, exc)
+        if error is not None:
+            fail_all(result, jobs, nos, error)
             return []
+        blobs = future.result()
         for blob in blobs:
             result.bytes_received += len(blob)
             outcome: StreamOutcome = pickle.loads(blob)

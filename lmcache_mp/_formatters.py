@@ -180,6 +180,8 @@ class TerminalFormatter(MetricsFormatter):
     _SEPARATOR = 2  # tabulate's "plain" format puts two spaces between columns
 
     def __init__(self, width: int = 80) -> None:
+        if isinstance(width, bool) or not isinstance(width, int):
+            raise ValueError(f"width must be an int >= {self.MIN_WIDTH}, got {width!r}")
         if width < self.MIN_WIDTH:
             raise ValueError(f"width must be at least {self.MIN_WIDTH}, got {width}")
         self.width = width

@@ -186,7 +186,8 @@ class ProcessExecutor(ShardExecutor):
                 while len(seen) < n and time.monotonic() < deadline:
                     pings = [pool.submit(_ping) for _ in range(n)]
                     seen.update(f.result(timeout=JOIN_TIMEOUT) for f in pings)
-        except BrokenProcessPool as exc:
+        except (BrokenProcessPool, OSError, ValueError) as exc:
+            # OSError/ValueError: spawning raced with the pool's teardown.
             self._discard(kill=True)
             raise TerminatedWorkerError(
                 f"the {self._mp_context} worker processes died while starting "
@@ -219,12 +220,13 @@ class ProcessExecutor(ShardExecutor):
                 open(os.path.join(marker_dir, name)) as f,
             ):
                 running[int(name)] = int(f.read())
-        codes = {
-            pid: procs[pid].exitcode if pid in procs else None
-            for pid in running.values()
+        exits = {pid: proc.exitcode for pid, proc in procs.items()}
+        codes = {pid: exits.get(pid) for pid in running.values()}
+        # The pool SIGTERMs its other workers when one dies: those are
+        # victims, whether or not the worker that died was running a stream.
+        dead = {
+            pid for pid, code in exits.items() if code not in (None, 0, -signal.SIGTERM)
         }
-        # The pool SIGTERMs its other workers when one dies: those are victims.
-        dead = {pid for pid, code in codes.items() if code != -signal.SIGTERM}
         if not dead:
             dead = set(codes)
         retry = []
@@ -249,6 +251,9 @@ class ProcessExecutor(ShardExecutor):
         self._pool, self._procs, self._n = None, {}, 0
         if pool is None:
             return
+        # Include workers the pool spawned after the last snapshot (it may
+        # spawn one while tearing itself down).
+        procs = {**procs, **(getattr(pool, "_processes", None) or {})}
         if kill:
             for proc in procs.values():
                 with contextlib.suppress(Exception):

@@ -9,6 +9,8 @@ dataclasses of :mod:`lmcache_mp._phase`.
 from __future__ import annotations
 
 import importlib
+import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -80,10 +82,22 @@ def initialize(blas_threads: int | None, preload: Sequence[str]) -> None:
         preload: Modules to import now rather than in every phase.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        # An idle worker blocks on the call queue forever if the parent is
+        # SIGKILLed (e.g. by the OOM killer): exit when the parent does.
+        threading.Thread(
+            target=_exit_with_parent, args=(parent.sentinel,), daemon=True
+        ).start()
     if blas_threads is not None:
         limit_blas_threads(blas_threads)
     for name in preload:
         importlib.import_module(name)
+
+
+def _exit_with_parent(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])
+    os._exit(1)
 
 
 def limit_blas_threads(n: int) -> None:

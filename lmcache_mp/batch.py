@@ -32,7 +32,7 @@ from lmcache_mp.executors import (
     SerialExecutor,
     ThreadExecutor,
 )
-from lmcache_mp.metrics import Metrics
+from lmcache_mp.metrics import Metrics, get_formatter
 from lmcache_mp.stream import (
     LMCacheStream,
     ModifyFn,
@@ -310,6 +310,7 @@ class LMCacheBatchedStream:
         fmt: str = "terminal",
         width: int = 80,
     ) -> tuple[float, Metrics]:
+        get_formatter(fmt, width=width)  # a bad fmt/width fails before any run
         ids = self._select(stream_ids)
         self.perf_metrics.clear()
         if not ids:
@@ -366,6 +367,7 @@ class LMCacheBatchedStream:
     ) -> tuple[float, Metrics]:
         if not callable(fn):
             raise TypeError(f"modify fn must be callable, got {type(fn).__name__}")
+        get_formatter(fmt, width=width)  # a bad fmt/width fails before any run
         ids = self._select(stream_ids)
         self.modify_metrics.clear()
         duration, failures = 0.0, dict[str, BaseException]()
@@ -421,6 +423,9 @@ class LMCacheBatchedStream:
                 f"invalid mode {mode!r}; choose 'prefill' or 'decode'"
             )
         ids = list(self.streams) if stream_ids is None else list(stream_ids)
+        for sid in ids:
+            if sid not in self.streams:
+                raise LMCacheBatchedStreamError(f"stream {sid} is not in the batch")
         perf = [self.perf_metrics[s] for s in ids if s in self.perf_metrics]
         return generate_report(
             mode,

@@ -83,15 +83,19 @@ def _can_overwrite(ctx_type: type[Any]) -> bool:
         return False
 
 
-def _store_edit(ctx: KVContext, kv: Any, tokens: list[int], salt: str) -> bool:
-    """Store an edited KV, replacing cached chunks where the context can.
+def _store_edit(
+    ctx: KVContext, kv: Any, tokens: list[int], salt: str, *, replace: bool
+) -> bool:
+    """Store an edited KV; with ``replace``, over the chunks already cached.
 
     Upstream's store skips chunks already cached, so an edit that keeps the
-    tokens (quantization, smoothing) never lands and only logs "already
-    cached"; contexts whose ``store`` takes ``overwrite=`` (the embedded
-    store) replace those chunks instead.
+    tokens (quantization, smoothing) would never land and only log "already
+    cached". Such an edit (``replace``) overwrites them where the context's
+    ``store`` takes ``overwrite=`` (the embedded store). An edit that changes
+    the tokens never overwrites: chunks the stream's previous state still
+    uses stay intact until its new state is committed.
     """
-    if _can_overwrite(type(ctx)):
+    if replace and _can_overwrite(type(ctx)):
         return bool(ctx.store(kv, tokens, salt, overwrite=True))  # type: ignore[call-arg]
     return ctx.store(kv, tokens, salt)
 
@@ -337,10 +341,10 @@ class LMCacheStream:
                 )
             time.sleep(poll_interval)
 
-    def _store(
+    def _validate(
         self, kv: Any, tokens: Sequence[int]
     ) -> tuple[npt.NDArray[Any], list[int]]:
-        """Validate and store an edited KV; return it as numpy + token list."""
+        """Return an edited KV as numpy and its tokens as ints, or raise."""
         sid = self._stream_id
         try:
             arr = as_numpy(kv)
@@ -359,18 +363,26 @@ class LMCacheStream:
                 f"but {len(toks)} token ids were given",
                 sid,
             )
+        return arr, toks
+
+    def _write(self, arr: npt.NDArray[Any], toks: list[int], replace: bool) -> None:
+        """Store a validated edit (over cached chunks if ``replace``)."""
+        sid = self._stream_id
         try:
-            wrote = _store_edit(self.ctx, arr, toks, self.cache_salt)
+            wrote = _store_edit(self.ctx, arr, toks, self.cache_salt, replace=replace)
         except (KVConfigError, TypeError, ValueError) as exc:
             raise StreamInputError(
                 f"stream {sid}: the store rejected the new KV: {exc}", sid
             ) from exc
         if not wrote:
             logger.warning("store reported edited KV already cached for stream %s", sid)
-        return arr, toks
 
     def update_kv(self, kv: Any, tokens: Sequence[int]) -> None:
         """Store an edited KV and make ``tokens`` back the stream.
+
+        When ``tokens`` is a prefix of the stream's tokens, the KV replaces
+        their cached chunks (on contexts whose ``store`` takes
+        ``overwrite=``); upstream's store kept the cached chunks instead.
 
         Args:
             kv: The edited KV, ``[2, L, T, D]``: a numpy array, a torch
@@ -381,7 +393,9 @@ class LMCacheStream:
             StreamInputError: If ``kv`` is not 4-D ``[2, L, T, D]``, or
                 ``T != len(tokens)``, or the tokens are not token ids.
         """
-        _, toks = self._store(kv, tokens)
+        arr, toks = self._validate(kv, tokens)
+        # Tokens the stream already holds: the caller edited their cached KV.
+        self._write(arr, toks, replace=toks == self._state.tokens[: len(toks)])
         self._state.tokens = toks
         self._state.done = False
 
@@ -412,8 +426,9 @@ class LMCacheStream:
         start = time.perf_counter()
         kv = self.retrieve_kv(timeout=timeout, poll_interval=poll_interval)
         cached = int(kv.shape[2])
+        given = self._state.tokens[:cached]
         try:
-            result = fn(kv, self._state.tokens[:cached])
+            result = fn(kv, list(given))
         except Exception as exc:
             raise LMCacheStreamError(
                 f"stream {sid}: modify fn raised {type(exc).__name__}: {exc}", sid
@@ -424,7 +439,11 @@ class LMCacheStream:
                 "expected a tuple (new_kv, new_tokens) or (new_kv, new_tokens, info)",
                 sid,
             )
-        new_kv, toks = self._store(result[0], result[1])
+        new_kv, toks = self._validate(result[0], result[1])
+        # Only a same-token edit overwrites: any other edit leaves the chunks
+        # of the previous state intact, so a worker dying before the batch
+        # commits leaves the stream fully unmodified (issue #6).
+        self._write(new_kv, toks, replace=toks == given)
         s = self._state
         self._state = dataclasses.replace(
             s, tokens=toks, suffix=s.tokens[cached:] + s.suffix, done=False

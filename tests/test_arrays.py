@@ -55,7 +55,9 @@ def test_bfloat16_tensors_keep_their_bits(monkeypatch: pytest.MonkeyPatch) -> No
     np.testing.assert_array_equal(out.astype(np.float32), values.astype(np.float32))
 
 
-@pytest.mark.parametrize("value", [None, 3.0, "kv", {"a": 1}, [[1], [2, 3]], ["a", "b"]])
+@pytest.mark.parametrize(
+    "value", [None, 3.0, "kv", {"a": 1}, [[1], [2, 3]], ["a", "b"]]
+)
 def test_non_arrays_are_a_type_error(value: Any) -> None:
     """None, scalars, strings and ragged or object data are refused."""
     with pytest.raises(TypeError, match="expected"):
