@@ -8,6 +8,7 @@ write KV through the context, which pickles by location.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -82,6 +83,8 @@ class StreamOutcome:
         error: The exception, when it failed.
         traceback: The formatted traceback of ``error`` in the process that
             raised it, when that was a worker.
+        staged: A same-token edit staged in the store, to commit with the
+            state (``.commit()``) or drop (``.discard()``).
     """
 
     stream_id: str
@@ -90,3 +93,11 @@ class StreamOutcome:
     modify: StreamModifyMetrics | None = None
     error: BaseException | None = None
     traceback: str | None = None
+    staged: Any = None
+
+    def discard_staged(self) -> None:
+        """Drop the staged edit, if any; the cached KV stays as it was."""
+        if self.staged is not None:
+            with contextlib.suppress(Exception):
+                self.staged.discard()
+            self.staged = None

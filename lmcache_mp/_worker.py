@@ -158,8 +158,12 @@ def run_job(spec: PhaseSpec, job: StreamJob, *, remote: bool) -> StreamOutcome:
             perf = stream.generate(spec.sampling_params)
             return StreamOutcome(job.stream_id, state=stream.state, perf=perf)
         assert spec.fn is not None
-        modify = stream.modify_kv(spec.fn, spec.retrieve_timeout, spec.poll_interval)
-        return StreamOutcome(job.stream_id, state=stream.state, modify=modify)
+        modify, staged = stream._modify(
+            spec.fn, spec.retrieve_timeout, spec.poll_interval, stage=True
+        )
+        return StreamOutcome(
+            job.stream_id, state=stream.state, modify=modify, staged=staged
+        )
     except Exception as exc:
         tb = "".join(traceback.format_exception(exc)) if remote else None
         return StreamOutcome(job.stream_id, error=exc, traceback=tb)
@@ -180,6 +184,7 @@ def _dump_outcome(outcome: StreamOutcome) -> bytes:
     try:
         return pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
+        outcome.discard_staged()
         error = LMCachePicklingError(
             f"stream {sid}: its result could not be pickled to send it back "
             f"from the worker (is the modify fn's info picklable?): "

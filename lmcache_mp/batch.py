@@ -24,7 +24,7 @@ import psutil
 from lmcache_mp._phase import PhaseSpec, StreamJob
 from lmcache_mp._pool import ForeignExecutor, ProcessExecutor
 from lmcache_mp._reports import ExecutorInfo, generate_report, modify_report
-from lmcache_mp.errors import LMCacheBatchedStreamError
+from lmcache_mp.errors import LMCacheBatchedStreamError, LMCacheStreamError
 from lmcache_mp.executors import (
     EXECUTOR_NAMES,
     PhaseExecutor,
@@ -220,8 +220,21 @@ class LMCacheBatchedStream:
         for sid in ids:
             outcome = run.outcomes[sid]
             if outcome.error is not None or outcome.state is None:
+                outcome.discard_staged()
                 failures[sid] = outcome.error or RuntimeError("no state came back")
                 continue
+            if outcome.staged is not None:
+                try:
+                    outcome.staged.commit()
+                except Exception as exc:
+                    outcome.discard_staged()
+                    failures[sid] = LMCacheStreamError(
+                        f"stream {sid}: its edit could not be committed to the "
+                        f"store: {type(exc).__name__}: {exc}",
+                        sid,
+                    )
+                    failures[sid].__cause__ = exc
+                    continue
             self.streams[sid].state = outcome.state
             if outcome.perf is not None:
                 self.perf_metrics[sid] = outcome.perf

@@ -179,6 +179,11 @@ def limit_blas_while(concurrent: int) -> Iterator[None]:
         yield
 
 
+def _discard_late(future: Future[StreamOutcome]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().discard_staged()
+
+
 class ThreadExecutor(PhaseExecutor):
     """One thread per stream, as upstream; BLAS threads capped meanwhile.
 
@@ -233,4 +238,6 @@ class ThreadExecutor(PhaseExecutor):
                 result.outcomes[job.stream_id] = future.result()
             else:
                 result.outcomes[job.stream_id] = timeout_outcome(job, timeout)
+                # What the stream stages once it finishes is never committed.
+                future.add_done_callback(_discard_late)
         return result

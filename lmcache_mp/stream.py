@@ -365,10 +365,21 @@ class LMCacheStream:
             )
         return arr, toks
 
-    def _write(self, arr: npt.NDArray[Any], toks: list[int], replace: bool) -> None:
-        """Store a validated edit (over cached chunks if ``replace``)."""
+    def _write(
+        self, arr: npt.NDArray[Any], toks: list[int], replace: bool, stage: bool
+    ) -> Any:
+        """Store a validated edit (over cached chunks if ``replace``).
+
+        Returns:
+            With ``stage`` and a replacing edit on a context that can stage
+            (``ctx.stage``), the staged chunks to commit or discard; else
+            ``None`` (the edit is stored).
+        """
         sid = self._stream_id
+        stage_fn = getattr(self.ctx, "stage", None) if replace and stage else None
         try:
+            if stage_fn is not None:
+                return stage_fn(arr, toks, self.cache_salt)
             wrote = _store_edit(self.ctx, arr, toks, self.cache_salt, replace=replace)
         except (KVConfigError, TypeError, ValueError) as exc:
             raise StreamInputError(
@@ -376,6 +387,7 @@ class LMCacheStream:
             ) from exc
         if not wrote:
             logger.warning("store reported edited KV already cached for stream %s", sid)
+        return None
 
     def update_kv(self, kv: Any, tokens: Sequence[int]) -> None:
         """Store an edited KV and make ``tokens`` back the stream.
@@ -395,7 +407,9 @@ class LMCacheStream:
         """
         arr, toks = self._validate(kv, tokens)
         # Tokens the stream already holds: the caller edited their cached KV.
-        self._write(arr, toks, replace=toks == self._state.tokens[: len(toks)])
+        self._write(
+            arr, toks, replace=toks == self._state.tokens[: len(toks)], stage=False
+        )
         self._state.tokens = toks
         self._state.done = False
 
@@ -422,6 +436,13 @@ class LMCacheStream:
                 fn raises (its exception is the ``__cause__``).
             StreamInputError: If the fn's result is malformed.
         """
+        return self._modify(fn, timeout, poll_interval, stage=False)[0]
+
+    def _modify(
+        self, fn: ModifyFn, timeout: float, poll_interval: float, *, stage: bool
+    ) -> tuple[StreamModifyMetrics, Any]:
+        """:meth:`modify_kv`; with ``stage``, a same-token edit is staged and
+        returned for the caller to commit with the new state (a batch)."""
         sid = self._stream_id
         start = time.perf_counter()
         kv = self.retrieve_kv(timeout=timeout, poll_interval=poll_interval)
@@ -440,15 +461,16 @@ class LMCacheStream:
                 sid,
             )
         new_kv, toks = self._validate(result[0], result[1])
-        # Only a same-token edit overwrites: any other edit leaves the chunks
-        # of the previous state intact, so a worker dying before the batch
-        # commits leaves the stream fully unmodified (issue #6).
-        self._write(new_kv, toks, replace=toks == given)
+        # Only a same-token edit overwrites, and a batch stages it: any other
+        # edit leaves the chunks of the previous state intact, so a worker
+        # dying before the batch commits leaves the stream fully unmodified
+        # (issue #6).
+        staged = self._write(new_kv, toks, replace=toks == given, stage=stage)
         s = self._state
         self._state = dataclasses.replace(
             s, tokens=toks, suffix=s.tokens[cached:] + s.suffix, done=False
         )
-        return StreamModifyMetrics(
+        figures = StreamModifyMetrics(
             duration=time.perf_counter() - start,
             tokens_before=cached,
             tokens_after=len(toks),
@@ -456,6 +478,7 @@ class LMCacheStream:
             kv_bytes_out=int(new_kv.nbytes),
             info=result[2] if len(result) == 3 else None,
         )
+        return figures, staged
 
 
 def create_request(

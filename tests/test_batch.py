@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -244,3 +245,23 @@ def test_empty_selection_is_a_zero_duration_report(
     report = batch.decode({"max_tokens": 2}, stream_ids=[])
     assert report.to_dict()["metrics"]["results"]["duration"] == 0.0
     assert batch.modify_stream(drop_to_first_chunk) == 0.0
+
+
+def doubled(kv: np.ndarray, tokens: list[int]) -> tuple[np.ndarray, list[int]]:
+    """A same-token edit: every token kept, the KV doubled."""
+    return kv * 2, tokens
+
+
+def test_a_same_token_edit_lands_in_the_store(
+    batch: lmc_batch.LMCacheBatchedStream, store: SharedMemoryKVStore
+) -> None:
+    """An edit that keeps the tokens replaces the cached KV (committed with the stream)."""
+    ids = _fill(batch, store)
+    batch.prefill({})
+    before = {sid: store.retrieve(batch.streams[sid].tokens) for sid in ids}
+    batch.modify(doubled)
+    for sid in ids:
+        np.testing.assert_array_equal(
+            store.retrieve(batch.streams[sid].tokens), before[sid] * 2
+        )
+    assert not [n for n in os.listdir(store.path) if n.startswith(".tmp-")]

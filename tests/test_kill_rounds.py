@@ -412,13 +412,30 @@ class KillAfterEdit:
     ) -> bool:
         """Store, then die if this is the target's edit in a worker."""
         wrote = self.inner.store(kv, tokens, cache_salt, overwrite=overwrite)
-        if self.armed and tokens[0] == 0 and os.getpid() != self.parent:
-            os.kill(os.getpid(), signal.SIGKILL)
+        self._maybe_die(tokens)
         return wrote
 
+    def stage(self, kv: Any, tokens: Sequence[int], cache_salt: str = "") -> Any:
+        """Stage (a same-token edit), then die if this is the target's edit."""
+        staged = self.inner.stage(kv, tokens, cache_salt)
+        self._maybe_die(tokens)
+        return staged
 
+    def _maybe_die(self, tokens: Sequence[int]) -> None:
+        if self.armed and tokens[0] == 0 and os.getpid() != self.parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def doubled_in_place(kv: np.ndarray, tokens: list[int]) -> tuple[np.ndarray, list[int]]:
+    """Keeps every token and doubles the KV: a same-token edit, which overwrites."""
+    return kv * 2, tokens
+
+
+@pytest.mark.parametrize(
+    "edit", [keep_first_chunk_doubled, doubled_in_place], ids=["prefix", "same-tokens"]
+)
 def test_a_worker_killed_after_an_in_place_edit_landed_keeps_the_old_kv(
-    store: SharedMemoryKVStore,
+    store: SharedMemoryKVStore, edit: Any
 ) -> None:
     """A stream whose worker dies after its edit reached the store, before the
     commit, keeps its previous state and the KV of that state, even when the
@@ -430,7 +447,7 @@ def test_a_worker_killed_after_an_in_place_edit_landed_keeps_the_old_kv(
         kv_before = store.retrieve(before.tokens)
         ctx.armed = True
         with pytest.raises(LMCacheBatchedStreamError) as info:
-            batch.modify(keep_first_chunk_doubled, timeout=WAIT_S)
+            batch.modify(edit, timeout=WAIT_S)
         assert list(info.value.failures) == [target]
         assert isinstance(info.value.failures[target], TerminatedWorkerError)
         assert batch.streams[target].state == before

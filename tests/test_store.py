@@ -26,7 +26,14 @@ from lmcache_mp.kv import (
     _connect,
 )
 from lmcache_mp.kv._chunk import HEADER_SIZE
-from tests._store_util import StoreFactory, bits, chunk_paths, kv_of, unique_url
+from tests._store_util import (
+    StoreFactory,
+    bits,
+    chunk_paths,
+    kv_of,
+    temp_names,
+    unique_url,
+)
 
 C = 4  # chunk size of most tests
 TOKENS = list(range(100, 100 + 3 * C))  # exactly three chunks
@@ -140,6 +147,31 @@ def test_overwrite_replaces_cached_chunks(ctx: SharedMemoryKVStore) -> None:
     got = ctx.retrieve(TOKENS)
     assert got is not None
     np.testing.assert_array_equal(bits(got), bits(edited[:, :, : got.shape[2]]))
+
+
+def test_staged_chunks_are_invisible_until_committed(ctx: SharedMemoryKVStore) -> None:
+    """stage() writes aside: retrieve sees the old KV until commit(), then the new."""
+    ctx.store(kv_of(TOKENS), TOKENS)
+    edited = kv_of(TOKENS, seed=1)
+    staged = pickle.loads(pickle.dumps(ctx.stage(edited, TOKENS)))
+    np.testing.assert_array_equal(bits(ctx.retrieve(TOKENS)), bits(kv_of(TOKENS)))
+    staged.commit()
+    staged.commit()
+    np.testing.assert_array_equal(bits(ctx.retrieve(TOKENS)), bits(edited))
+    assert temp_names(ctx) == []
+
+
+def test_discarded_staged_chunks_leave_the_cache_alone(
+    ctx: SharedMemoryKVStore,
+) -> None:
+    """discard() removes the staged files; the cached KV is unchanged."""
+    ctx.store(kv_of(TOKENS), TOKENS)
+    staged = ctx.stage(kv_of(TOKENS, seed=1), TOKENS)
+    assert len(temp_names(ctx)) == 3
+    staged.discard()
+    staged.discard()
+    assert temp_names(ctx) == []
+    np.testing.assert_array_equal(bits(ctx.retrieve(TOKENS)), bits(kv_of(TOKENS)))
 
 
 def test_store_writes_only_the_missing_chunks(ctx: SharedMemoryKVStore) -> None:

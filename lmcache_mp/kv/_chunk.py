@@ -138,7 +138,9 @@ def write_chunk(
     payload: list[memoryview],
     layout: Layout,
     chunk_size: int,
-) -> None:
+    *,
+    publish: bool = True,
+) -> str:
     """Write a chunk atomically: a temp file, then a rename onto ``name``.
 
     A reader sees either no file, a previous complete file, or this one
@@ -152,6 +154,11 @@ def write_chunk(
         payload: The chunk's bytes, as :func:`chunk_views` returns them.
         layout: The store's layout.
         chunk_size: The store's chunk size.
+        publish: Rename the temp file onto ``name`` now; otherwise leave it
+            for the caller to rename (a staged write).
+
+    Returns:
+        The temp file's name (already renamed when ``publish``).
 
     Raises:
         OSError: If the file cannot be written (e.g. the filesystem is full).
@@ -173,7 +180,9 @@ def write_chunk(
         os.unlink(tmp, dir_fd=dir_fd)
         raise
     os.close(fd)
-    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    if publish:
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    return tmp
 
 
 def _check(

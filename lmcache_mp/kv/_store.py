@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 import warnings
 import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -34,7 +37,7 @@ from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._layout import Layout, load_layout, publish_layout, resolve_dtype
 from lmcache_mp.kv._stats import Counters, StoreStats
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "SharedMemoryKVStore"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "SharedMemoryKVStore", "StagedChunks"]
 
 #: Tokens per chunk, as LMCache's default.
 DEFAULT_CHUNK_SIZE = 256
@@ -303,6 +306,54 @@ class SharedMemoryKVStore:
             ValueError: If a token id is negative.
             KVStoreError: If the store is closed or a chunk cannot be written.
         """
+        wrote, _ = self._write(kv, tokens, cache_salt, overwrite, publish=True)
+        return wrote
+
+    def stage(self, kv: Any, tokens: Tokens, cache_salt: str = "") -> StagedChunks:
+        """Write every full chunk of ``kv`` aside, to replace the cached ones
+        only when the returned handle is committed.
+
+        How a batch makes a same-token edit transactional: the worker stages
+        it, and the parent commits it with the stream's new state, or
+        discards it when the stream failed. A staged file whose writer died
+        is removed the next time the store is opened.
+
+        Args:
+            kv: As :meth:`store`.
+            tokens: The token ids the KV belongs to.
+            cache_salt: Isolation salt.
+
+        Returns:
+            The staged chunks; they pickle by the store's location.
+
+        Raises:
+            KVConfigError: As :meth:`store`.
+            KVStoreError: If the store is closed or a chunk cannot be written.
+        """
+        _, moves = self._write(kv, tokens, cache_salt, True, publish=False)
+        return StagedChunks(self, tuple(moves))
+
+    def _publish(self, moves: Sequence[tuple[str, str]], keep: bool) -> None:
+        """Rename staged files onto their chunks (``keep``) or remove them."""
+        fd = self._dir_fd()
+        for tmp, name in moves:
+            with contextlib.suppress(FileNotFoundError):
+                if keep:
+                    os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+                else:
+                    os.unlink(tmp, dir_fd=fd)
+
+    def _write(
+        self,
+        kv: Any,
+        tokens: Tokens,
+        cache_salt: str,
+        overwrite: bool,
+        *,
+        publish: bool,
+    ) -> tuple[bool, list[tuple[str, str]]]:
+        """Write the chunks of ``kv``; return whether any was written and the
+        (temp, chunk) names of those left unpublished."""
         arr = as_numpy(kv)
         toks = token_array(tokens)
         if arr.ndim != 4 or arr.shape[0] != 2 or arr.shape[2] != len(toks):
@@ -328,7 +379,7 @@ class SharedMemoryKVStore:
                 present.append(index)
         rewrite = present if overwrite else []
         if not missing and not rewrite:
-            return False
+            return False, []
         fits, evicted = self._usage.make_room(
             fd, len(missing), chunk_file_size(layout, size), frozenset(names)
         )
@@ -342,16 +393,21 @@ class SharedMemoryKVStore:
                 stacklevel=2,
             )
         raw = np.ascontiguousarray(arr, dtype=layout.dtype).view(np.uint8)
+        moves = []
         for index in missing[:fits] + rewrite:
             views = chunk_views(raw, index * size, (index + 1) * size)
             try:
-                write_chunk(fd, names[index], keys[index], views, layout, size)
+                tmp = write_chunk(
+                    fd, names[index], keys[index], views, layout, size, publish=publish
+                )
             except OSError as exc:
                 raise KVStoreError(
                     f"{self._path}/{names[index]}: cannot write chunk: {exc}"
                 ) from exc
             self._counts.add(writes=1)
-        return fits > 0 or bool(rewrite)
+            if not publish:
+                moves.append((tmp, names[index]))
+        return fits > 0 or bool(rewrite), moves
 
     def stats(self) -> StoreStats:
         """Return the store's size and this handle's counters.
@@ -383,3 +439,35 @@ class SharedMemoryKVStore:
         """
         self.close()
         remove_tree(self._path)
+
+
+@dataclass(frozen=True)
+class StagedChunks:
+    """Chunks written aside by :meth:`SharedMemoryKVStore.stage`.
+
+    Pickles by the store's location, so a worker can stage and the parent
+    commit. :meth:`commit` and :meth:`discard` are each safe to call twice.
+
+    Args:
+        store: The store the chunks belong to.
+        moves: ``(temp file, chunk file)`` names in the store's directory.
+    """
+
+    store: SharedMemoryKVStore
+    moves: tuple[tuple[str, str], ...]
+
+    def commit(self) -> None:
+        """Replace the cached chunks with the staged ones (each atomically).
+
+        Raises:
+            KVStoreError: If the store is closed or gone.
+        """
+        self.store._publish(self.moves, keep=True)
+
+    def discard(self) -> None:
+        """Remove the staged files; the cached chunks stay as they were.
+
+        Raises:
+            KVStoreError: If the store is closed or gone.
+        """
+        self.store._publish(self.moves, keep=False)
