@@ -241,14 +241,21 @@ def test_writer_killed_at_random_leaves_only_whole_chunks(
 ) -> None:
     """100 writers SIGKILLed mid-store: every chunk left verifies, no temp stays."""
     rng = random.Random(1234)
+    torn_temps = chunks = 0
     for _ in range(100):
         url = unique_url()
         ctx = connect(url, chunk_size=16)
         try:
             _kill_writer_at_random(url, rng)
+            torn_temps += bool(temp_names(ctx))
+            chunks += len(chunk_paths(ctx))
             reopened = connect(url, chunk_size=16)
             assert temp_names(reopened) == []
             _check_every_chunk(reopened)
             reopened.close()
         finally:
             ctx.destroy()
+    print(
+        f"RELIABILITY: store writer kills=100 with a half-written temp file="
+        f"{torn_temps} chunks left={chunks}, all verified, no temp after reopen"
+    )
