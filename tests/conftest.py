@@ -11,7 +11,9 @@ import psutil
 import pytest
 
 from lmcache_mp._paths import shm_root
+from lmcache_mp.kv import SharedMemoryKVStore, connect
 from tests._fakes import FakeEngine, InMemoryKV
+from tests._store_util import StoreFactory
 
 #: multiprocessing helpers that live as long as the interpreter, by design.
 _SESSION_HELPERS = ("resource_tracker", "forkserver")
@@ -76,6 +78,22 @@ def no_leaks() -> Iterator[None]:
         time.sleep(0.05)
     assert not left, f"child processes left behind: {sorted(left)}"
     assert not files, f"files left behind in {shm_root()}: {sorted(files)}"
+
+
+@pytest.fixture
+def store() -> Iterator[SharedMemoryKVStore]:
+    """A fresh shared-memory store with 4-token chunks, destroyed afterwards."""
+    ctx = connect(chunk_size=4)
+    yield ctx
+    ctx.destroy()
+
+
+@pytest.fixture
+def stores() -> Iterator[StoreFactory]:
+    """Makes stores on demand; destroys every one (and checks it is gone)."""
+    factory = StoreFactory()
+    yield factory
+    factory.destroy_all()
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from lmcache_mp.errors import (
     LMCacheBatchedStreamError,
     StreamInputError,
 )
-from lmcache_mp.kv import SharedMemoryKVStore, connect
+from lmcache_mp.kv import SharedMemoryKVStore
 from lmcache_mp.metrics import available_formats
 from tests._fakes import FakeEngine, InMemoryKV, kv_for
 
@@ -320,14 +320,6 @@ def test_a_bad_format_or_width_is_refused_before_any_stream_runs(
 
 
 # -- a barrage on a process batch ------------------------------------------------
-
-
-@pytest.fixture
-def store() -> Iterator[SharedMemoryKVStore]:
-    """A fresh store with 4-token chunks, destroyed afterwards."""
-    ctx = connect(chunk_size=4)
-    yield ctx
-    ctx.destroy()
 
 
 def _attack(

@@ -31,14 +31,6 @@ def executor_opts(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 
 @pytest.fixture
-def store() -> Iterator[SharedMemoryKVStore]:
-    """A fresh shared-memory store with 4-token chunks, destroyed afterwards."""
-    ctx = connect(chunk_size=4)
-    yield ctx
-    ctx.destroy()
-
-
-@pytest.fixture
 def batch(executor_opts: dict[str, Any]) -> Iterator[lmc_batch.LMCacheBatchedStream]:
     """A batch on the parametrized executor, closed afterwards."""
     with lmc_batch.LMCacheBatchedStream(**executor_opts) as b:

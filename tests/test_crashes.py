@@ -11,7 +11,7 @@ import ctypes
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from lmcache_mp.errors import (
     StreamInputError,
     TerminatedWorkerError,
 )
-from lmcache_mp.kv import SharedMemoryKVStore, connect
+from lmcache_mp.kv import SharedMemoryKVStore
 from tests._fakes import BadEventEngine, FakeEngine, FlakyEngine
 
 TARGET = 2  # the stream whose prompt starts at token 2 fails
@@ -127,14 +127,6 @@ CASES = {
         None, BadEventEngine, LMCacheStreamError, "expected a TokenEvent"
     ),
 }
-
-
-@pytest.fixture
-def store() -> Iterator[SharedMemoryKVStore]:
-    """A fresh store with 4-token chunks, destroyed afterwards."""
-    ctx = connect(chunk_size=4)
-    yield ctx
-    ctx.destroy()
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])

@@ -7,12 +7,10 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-import psutil
 import pytest
 from threadpoolctl import threadpool_info
 
@@ -20,8 +18,9 @@ import lmcache_mp.batch as lmc_batch
 import lmcache_mp.stream as lmc_stream
 from lmcache_mp.errors import LMCacheBatchedStreamError, PhaseTimeoutError
 from lmcache_mp.executors import physical_cores
-from lmcache_mp.kv import SharedMemoryKVStore, connect
+from lmcache_mp.kv import SharedMemoryKVStore
 from tests._fakes import FakeEngine, InMemoryKV
+from tests._scripts import all_gone, prefilled_batch_script
 
 
 def _filled(
@@ -80,14 +79,6 @@ def test_serial_timeout_fails_the_streams_not_started() -> None:
     assert all(isinstance(e, PhaseTimeoutError) for e in info.value.failures.values())
 
 
-@pytest.fixture
-def store() -> Iterator[SharedMemoryKVStore]:
-    """A fresh store, destroyed afterwards."""
-    ctx = connect(chunk_size=4)
-    yield ctx
-    ctx.destroy()
-
-
 def test_modify_concurrency_follows_available_memory(
     store: SharedMemoryKVStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -109,27 +100,15 @@ def test_modify_concurrency_follows_available_memory(
 def test_an_unclosed_batch_leaves_no_worker_at_interpreter_exit(tmp_path: Any) -> None:
     """A script that never closes its batch still ends every worker when it exits."""
     pidfile = tmp_path / "pids"
-    script = textwrap.dedent(
-        f"""
-        import sys
-        sys.path.insert(0, {os.getcwd()!r})
-        import lmcache_mp.batch as lmc_batch, lmcache_mp.stream as lmc_stream
-        from lmcache_mp.kv import connect
-        from tests._fakes import FakeEngine
-        ctx = connect(chunk_size=4)
-        batch = lmc_batch.LMCacheBatchedStream("process", max_workers=2)
-        for i in range(2):
-            batch.add(lmc_stream.create_request(ctx, FakeEngine(ctx), [i, 1, 2, 3]))
-        batch.prefill({{}})
-        open({str(pidfile)!r}, "w").write(" ".join(map(str, batch.executor.pids())))
-        """
+    script = prefilled_batch_script(pidfile)
+    subprocess.run(
+        [sys.executable, "-c", script],
+        check=True,
+        timeout=120,
+        stdout=subprocess.DEVNULL,
     )
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     pids = [int(p) for p in pidfile.read_text().split()]
-    deadline = time.monotonic() + 10
-    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(pids) == 2 and not any(psutil.pid_exists(p) for p in pids)
+    assert len(pids) == 2 and all_gone(pids)
 
 
 def test_a_script_without_a_main_guard_gets_a_clear_error(tmp_path: Any) -> None:

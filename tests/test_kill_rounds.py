@@ -33,7 +33,7 @@ import textwrap
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures.process import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +50,7 @@ from lmcache_mp.errors import (
     LMCacheBatchedStreamError,
     TerminatedWorkerError,
 )
-from lmcache_mp.kv import SharedMemoryKVStore, connect
+from lmcache_mp.kv import SharedMemoryKVStore
 from lmcache_mp.stream import StreamState
 from tests._fakes import FakeEngine, kv_for
 
@@ -180,14 +180,6 @@ def _two_prefilled_streams(batch: lmc_batch.LMCacheBatchedStream, ctx: Any) -> s
         batch.add(lmc_stream.create_request(ctx, engine, list(range(start, start + 8))))
     batch.prefill({}, timeout=WAIT_S)
     return next(sid for sid, s in batch.streams.items() if s.tokens[0] == 0)
-
-
-@pytest.fixture
-def store() -> Iterator[SharedMemoryKVStore]:
-    """A fresh store with 4-token chunks, destroyed afterwards."""
-    ctx = connect(chunk_size=CHUNK)
-    yield ctx
-    ctx.destroy()
 
 
 def _check_round(

@@ -8,10 +8,8 @@ import pickle
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -28,6 +26,7 @@ from lmcache_mp.errors import (
 )
 from lmcache_mp.kv import SharedMemoryKVStore, connect
 from tests._fakes import FakeEngine, FileBarrierEngine
+from tests._scripts import all_gone, prefilled_batch_script
 
 START_METHODS = ["spawn", "forkserver"]
 
@@ -36,14 +35,6 @@ START_METHODS = ["spawn", "forkserver"]
 def start_method(request: pytest.FixtureRequest) -> str:
     """Each executor test runs once per start method."""
     return str(request.param)
-
-
-@pytest.fixture
-def store() -> Iterator[SharedMemoryKVStore]:
-    """A fresh shared-memory store with 4-token chunks, destroyed afterwards."""
-    ctx = connect(chunk_size=4)
-    yield ctx
-    ctx.destroy()
 
 
 def _batch(
@@ -211,10 +202,7 @@ def test_an_unclosed_batch_stops_its_workers_when_collected(
     pids = batch.executor.pids()  # type: ignore[attr-defined]
     del batch
     gc.collect()
-    deadline = time.monotonic() + 20
-    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(psutil.pid_exists(p) for p in pids)
+    assert all_gone(pids, timeout=20)
 
 
 def test_a_callers_executor_is_used_and_left_running(
@@ -280,22 +268,8 @@ def test_max_in_flight_bounds_concurrent_edits(
 def test_ctrl_c_stops_the_parent_and_every_worker(tmp_path: Any) -> None:
     """SIGINT to the parent during a phase: it exits within seconds and no worker survives."""
     pidfile = tmp_path / "pids"
-    script = textwrap.dedent(
-        f"""
-        import sys, time
-        sys.path.insert(0, {os.getcwd()!r})
-        import lmcache_mp.batch as lmc_batch, lmcache_mp.stream as lmc_stream
-        from lmcache_mp.kv import connect
-        from tests._fakes import FakeEngine
-        ctx = connect(chunk_size=4)
-        batch = lmc_batch.LMCacheBatchedStream("process", max_workers=2)
-        for i in range(4):
-            batch.add(lmc_stream.create_request(ctx, FakeEngine(ctx), list(range(i, i + 8))))
-        batch.prefill({{}})
-        open({str(pidfile)!r}, "w").write(" ".join(map(str, batch.executor.pids())))
-        print("ready", flush=True)
-        batch.modify(lambda kv, t: (time.sleep(60), (kv, t))[1])
-        """
+    script = prefilled_batch_script(
+        pidfile, "batch.modify(lambda kv, t: (time.sleep(60), (kv, t))[1])\n"
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True
@@ -309,11 +283,7 @@ def test_ctrl_c_stops_the_parent_and_every_worker(tmp_path: Any) -> None:
         proc.kill()
         proc.wait(timeout=15)
     pids = [int(p) for p in pidfile.read_text().split()]
-    assert len(pids) == 2
-    deadline = time.monotonic() + 10
-    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(psutil.pid_exists(p) for p in pids)
+    assert len(pids) == 2 and all_gone(pids)
 
 
 def test_phase_outcomes_pickle_without_kv(store: SharedMemoryKVStore) -> None:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
@@ -37,13 +37,6 @@ from tests._store_util import (
 
 C = 4  # chunk size of most tests
 TOKENS = list(range(100, 100 + 3 * C))  # exactly three chunks
-
-
-@pytest.fixture
-def stores() -> Iterator[StoreFactory]:
-    factory = StoreFactory()
-    yield factory
-    factory.destroy_all()
 
 
 @pytest.fixture

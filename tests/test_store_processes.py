@@ -34,13 +34,6 @@ JOIN_TIMEOUT_S = 60
 
 
 @pytest.fixture
-def stores() -> Iterator[StoreFactory]:
-    factory = StoreFactory()
-    yield factory
-    factory.destroy_all()
-
-
-@pytest.fixture
 def pool() -> Iterator[multiprocessing.pool.Pool]:
     with multiprocessing.get_context("spawn").Pool(4) as workers:
         yield workers

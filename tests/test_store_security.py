@@ -15,7 +15,6 @@ import pickle
 import shutil
 import stat
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,13 +28,6 @@ from tests._store_util import StoreFactory, chunk_paths, kv_of, unique_url
 
 C = 4
 TOKENS = list(range(7, 7 + 2 * C))
-
-
-@pytest.fixture
-def stores() -> Iterator[StoreFactory]:
-    factory = StoreFactory()
-    yield factory
-    factory.destroy_all()
 
 
 @pytest.fixture
