@@ -9,6 +9,7 @@ write KV through the context, which pickles by location.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,8 +21,9 @@ from lmcache_mp._records import (
     StreamState,
 )
 from lmcache_mp.kv import KVContext
+from lmcache_mp.stream import LMCacheStream
 
-__all__ = ["PhaseKind", "PhaseSpec", "StreamJob", "StreamOutcome"]
+__all__ = ["PhaseKind", "PhaseSpec", "StreamJob", "StreamOutcome", "build_phase"]
 
 PhaseKind = Literal["generate", "modify"]
 
@@ -101,3 +103,31 @@ class StreamOutcome:
             with contextlib.suppress(Exception):
                 self.staged.discard()
             self.staged = None
+
+
+def build_phase(
+    streams: Sequence[LMCacheStream], **spec_args: Any
+) -> tuple[PhaseSpec, list[StreamJob]]:
+    """Snapshot ``streams`` into a phase: one job each, with a state copy.
+
+    Args:
+        streams: The streams the phase runs.
+        **spec_args: The other :class:`PhaseSpec` fields (``kind``, ...).
+
+    Returns:
+        The spec (each distinct context and engine once) and the jobs.
+    """
+    contexts: dict[int, tuple[int, KVContext]] = {}
+    engines: dict[int, tuple[int, PostCompletion]] = {}
+    jobs = []
+    for s in streams:
+        ci = contexts.setdefault(id(s.ctx), (len(contexts), s.ctx))[0]
+        pc = s.post_completion
+        ei = engines.setdefault(id(pc), (len(engines), pc))[0]
+        jobs.append(StreamJob(s.stream_id(), s.cache_salt, ci, ei, s.state.copy()))
+    spec = PhaseSpec(
+        contexts=tuple(c for _, c in contexts.values()),
+        engines=tuple(e for _, e in engines.values()),
+        **spec_args,
+    )
+    return spec, jobs

@@ -18,19 +18,14 @@ from concurrent.futures import Executor
 from types import TracebackType
 from typing import Any
 
-import numpy as np
-import psutil
-
-from lmcache_mp._phase import PhaseSpec, StreamJob
-from lmcache_mp._pool import ForeignExecutor, ProcessExecutor
+from lmcache_mp._memory import modify_bound
+from lmcache_mp._phase import build_phase
+from lmcache_mp._pool import make_executor
 from lmcache_mp._reports import ExecutorInfo, generate_report, modify_report
 from lmcache_mp.errors import LMCacheBatchedStreamError, LMCacheStreamError
 from lmcache_mp.executors import (
-    EXECUTOR_NAMES,
     PhaseExecutor,
     PhaseRun,
-    SerialExecutor,
-    ThreadExecutor,
 )
 from lmcache_mp.metrics import Metrics, get_formatter
 from lmcache_mp.stream import (
@@ -41,35 +36,6 @@ from lmcache_mp.stream import (
 )
 
 __all__ = ["LMCacheBatchedStream", "LMCacheBatchedStreamError"]
-
-#: Share of available memory the KV of concurrently modified streams may use.
-_MODIFY_MEMORY_SHARE = 0.5
-#: Copies of a stream's KV alive during an edit: retrieved, fn's working
-#: copy, result.
-_KV_COPIES_PER_EDIT = 3
-
-
-def _make_executor(
-    executor: str | Executor | PhaseExecutor,
-    max_workers: int | None,
-    mp_context: str,
-    preload: Sequence[str],
-    blas_threads: int | None,
-) -> PhaseExecutor:
-    if isinstance(executor, PhaseExecutor):
-        return executor
-    if isinstance(executor, Executor):
-        return ForeignExecutor(executor)
-    if executor == "process":
-        return ProcessExecutor(max_workers, mp_context, preload, blas_threads)
-    if executor == "thread":
-        return ThreadExecutor(max_workers)
-    if executor == "serial":
-        return SerialExecutor()
-    raise ValueError(
-        f"unknown executor {executor!r}; choose one of {', '.join(EXECUTOR_NAMES)}"
-        " or pass a concurrent.futures.Executor"
-    )
 
 
 class LMCacheBatchedStream:
@@ -117,7 +83,7 @@ class LMCacheBatchedStream:
         self.streams: dict[str, LMCacheStream] = {}
         self.perf_metrics: dict[str, StreamPerfMetrics] = {}
         self.modify_metrics: dict[str, StreamModifyMetrics] = {}
-        self._executor = _make_executor(
+        self._executor = make_executor(
             executor, max_workers, mp_context, preload, blas_threads
         )
         self._max_in_flight = max_in_flight
@@ -188,23 +154,7 @@ class LMCacheBatchedStream:
         self, ids: list[str], timeout: float | None, **spec_args: Any
     ) -> tuple[float, dict[str, BaseException]]:
         """Run a phase over ``ids``; commit the successes; return failures."""
-        contexts: dict[int, int] = {}
-        engines: dict[int, int] = {}
-        jobs = []
-        for sid in ids:
-            s = self.streams[sid]
-            ci = contexts.setdefault(id(s.ctx), len(contexts))
-            ei = engines.setdefault(id(s.post_completion), len(engines))
-            jobs.append(StreamJob(sid, s.cache_salt, ci, ei, s.state.copy()))
-        by_id = {id(s.ctx): s.ctx for s in self.streams.values()}
-        by_engine = {
-            id(s.post_completion): s.post_completion for s in self.streams.values()
-        }
-        spec = PhaseSpec(
-            contexts=tuple(by_id[k] for k in contexts),
-            engines=tuple(by_engine[k] for k in engines),
-            **spec_args,
-        )
+        spec, jobs = build_phase([self.streams[sid] for sid in ids], **spec_args)
         max_in_flight = self._modify_bound(ids) if spec.kind == "modify" else None
         with self._lock:
             start = time.perf_counter()
@@ -246,20 +196,7 @@ class LMCacheBatchedStream:
         """How many streams may hold their KV in memory at once."""
         if self._max_in_flight is not None:
             return self._max_in_flight
-        per_token = 0
-        for sid in ids:
-            layout = getattr(self.streams[sid].ctx, "layout", None)
-            if layout is not None:
-                layers, width, dtype = layout
-                per_token = max(
-                    per_token, 2 * layers * width * np.dtype(dtype).itemsize
-                )
-        if per_token == 0:
-            return None
-        longest = max(len(self.streams[sid].tokens) for sid in ids)
-        need = _KV_COPIES_PER_EDIT * per_token * max(1, longest)
-        budget = psutil.virtual_memory().available * _MODIFY_MEMORY_SHARE
-        return max(1, int(budget // need))
+        return modify_bound([self.streams[sid] for sid in ids])
 
     def _raise_failures(
         self,

@@ -18,7 +18,7 @@ import inspect
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ from lmcache_mp._records import (
     StreamState,
     TokenEvent,
 )
+from lmcache_mp._validate import check_max_tokens, check_tokens
 from lmcache_mp.errors import KVConfigError, LMCacheStreamError, StreamInputError
 from lmcache_mp.kv import KVContext
 
@@ -52,26 +53,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def _check_tokens(tokens: Iterable[Any], stream_id: str, what: str) -> list[int]:
-    """Return ``tokens`` as a list of ints, or raise naming the bad one."""
-    out: list[int] = []
-    for i, tok in enumerate(tokens):
-        # bool is an int subclass but never a token id; numpy ints are fine.
-        if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)):
-            raise StreamInputError(
-                f"stream {stream_id}: {what}[{i}] is {tok!r} "
-                f"({type(tok).__name__}), expected a non-negative int",
-                stream_id,
-            )
-        if tok < 0:
-            raise StreamInputError(
-                f"stream {stream_id}: {what}[{i}] is {tok}, token ids are >= 0",
-                stream_id,
-            )
-        out.append(int(tok))
-    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -98,21 +79,6 @@ def _store_edit(
     if replace and _can_overwrite(type(ctx)):
         return bool(ctx.store(kv, tokens, salt, overwrite=True))  # type: ignore[call-arg]
     return ctx.store(kv, tokens, salt)
-
-
-def _max_tokens(sampling_params: Mapping[str, Any], stream_id: str) -> int:
-    """Return ``max_tokens`` (upstream's default: 1), checking it is >= 1."""
-    value = sampling_params.get("max_tokens", 1)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise StreamInputError(
-            f"stream {stream_id}: max_tokens is {value!r}, expected an int >= 1",
-            stream_id,
-        )
-    if value < 1:
-        raise StreamInputError(
-            f"stream {stream_id}: max_tokens is {value}, expected >= 1", stream_id
-        )
-    return int(value)
 
 
 class LMCacheStream:
@@ -146,7 +112,7 @@ class LMCacheStream:
         self.cache_salt = cache_salt
         self._stream_id = stream_id if stream_id is not None else str(uuid.uuid4())
         if state is None:
-            tokens = _check_tokens(prompt_token_ids, self._stream_id, "prompt")
+            tokens = check_tokens(prompt_token_ids, self._stream_id, "prompt")
             if not tokens:
                 raise StreamInputError(
                     f"stream {self._stream_id}: the prompt is empty", self._stream_id
@@ -170,7 +136,7 @@ class LMCacheStream:
 
     @tokens.setter
     def tokens(self, value: Sequence[int]) -> None:
-        self._state.tokens = _check_tokens(value, self._stream_id, "tokens")
+        self._state.tokens = check_tokens(value, self._stream_id, "tokens")
 
     @property
     def done(self) -> bool:
@@ -246,8 +212,8 @@ class LMCacheStream:
                 then unchanged.
         """
         sid = self._stream_id
-        max_tokens = _max_tokens(sampling_params, sid)
-        extra = _check_tokens(suffix_tokens, sid, "suffix_tokens")
+        max_tokens = check_max_tokens(sampling_params, sid)
+        extra = check_tokens(suffix_tokens, sid, "suffix_tokens")
         prompt = self._state.tokens + self._state.suffix + extra
         ids: list[int] = []
         texts: list[str] = []
@@ -350,7 +316,7 @@ class LMCacheStream:
             arr = as_numpy(kv)
         except TypeError as exc:
             raise StreamInputError(f"stream {sid}: the new KV: {exc}", sid) from exc
-        toks = _check_tokens(tokens, sid, "new_tokens")
+        toks = check_tokens(tokens, sid, "new_tokens")
         if arr.ndim != 4 or arr.shape[0] != 2:
             raise StreamInputError(
                 f"stream {sid}: the new KV has shape {arr.shape}, expected "

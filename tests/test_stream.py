@@ -255,10 +255,11 @@ def test_engine_yielding_a_non_event_is_an_error(kv: InMemoryKV) -> None:
         ([], "empty"),
         ([1, "2"], r"prompt\[1\]"),
         ([1, -3], ">= 0"),
+        ([2**63], "< 2\\*\\*63"),
         ([True], r"prompt\[0\]"),
         ([1.5], "float"),
     ],
-    ids=["empty", "str", "negative", "bool", "float"],
+    ids=["empty", "str", "negative", "too-large", "bool", "float"],
 )
 def test_bad_prompts_are_rejected(
     kv: InMemoryKV, engine: FakeEngine, prompt: list[Any], needle: str
