@@ -14,7 +14,9 @@ import dataclasses
 import hashlib
 import os
 import pickle
+import sys
 import time
+import types
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
@@ -52,6 +54,9 @@ def pickle_spec(spec: PhaseSpec) -> bytes:
         LMCachePicklingError: If the fn, a context or an engine cannot be
             pickled; raised before any stream is touched.
     """
+    local = _unimportable_modules([spec.fn, *spec.engines])
+    for module in local:
+        cloudpickle.register_pickle_by_value(module)
     try:
         return bytes(cloudpickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
     except Exception as exc:
@@ -70,6 +75,34 @@ def pickle_spec(spec: PhaseSpec) -> bytes:
             f"cannot send the {spec.kind} phase to the worker processes: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
+    finally:
+        for module in local:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def _unimportable_modules(objs: Sequence[Any]) -> list[types.ModuleType]:
+    """The modules defining ``objs`` that a worker could not import by name.
+
+    cloudpickle pickles a module-level function by reference; a worker then
+    imports its module, which fails for a module loaded from a file outside
+    ``sys.path`` (a notebook's helper file, ``importlib`` by path). Those are
+    pickled by value instead (issue #4). Modules already registered by the
+    caller are left to the caller.
+    """
+    roots = [os.path.abspath(p or os.curdir) + os.sep for p in sys.path]
+    registered = set(cloudpickle.list_registry_pickle_by_value())
+    found = []
+    for obj in objs:
+        target = getattr(obj, "func", obj)  # functools.partial
+        name = getattr(target, "__module__", None) or type(target).__module__
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if module is None or name == "__main__" or path is None or name in registered:
+            continue
+        if not any(os.path.abspath(path).startswith(root) for root in roots):
+            found.append(module)
+            registered.add(name)
+    return found
 
 
 def _shards(concurrent: bool, pending: list[int], workers: int) -> list[list[int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import pickle
 import signal
@@ -290,3 +291,25 @@ def test_phase_outcomes_pickle_without_kv(store: SharedMemoryKVStore) -> None:
     """The store context pickles by location only: a few hundred bytes, whatever it holds."""
     store.store(np.zeros((2, 2, 64, 4), np.float32), list(range(64)))
     assert len(pickle.dumps(store)) < 1024
+
+
+def test_a_fn_from_a_module_workers_cannot_import_is_sent_by_value(
+    store: SharedMemoryKVStore,
+    start_method: str,
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fn defined in a file loaded by path (not on sys.path) still runs in the workers."""
+    path = tmp_path / "my_local_edits.py"
+    path.write_text(
+        "def keep4(kv, tokens):\n    return kv[:, :, :4], tokens[:4], 'local'\n"
+    )
+    spec = importlib.util.spec_from_file_location("my_local_edits", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "my_local_edits", module)
+    spec.loader.exec_module(module)
+    with _batch(store, start_method) as batch:
+        batch.prefill({})
+        batch.modify(module.keep4)
+        assert {m.info for m in batch.modify_metrics.values()} == {"local"}
