@@ -108,6 +108,23 @@ def keep_first_chunk(kv: np.ndarray, tokens: list[int]) -> tuple[np.ndarray, lis
 # -- streams --------------------------------------------------------------------
 
 
+def _assert_generate_refuses(
+    bad: Any, needle: str, params: dict[str, Any], suffix: list[Any] | tuple[()] = ()
+) -> None:
+    """generate(params, suffix) raises StreamInputError naming ``needle``, the
+    bad value and the stream; the engine is not called; nothing changes."""
+    kv = InMemoryKV()
+    engine = FakeEngine(kv)
+    stream = lmc_stream.create_request(kv, engine, PROMPT)
+    before = stream.state.copy()
+    with pytest.raises(StreamInputError) as info:
+        stream.generate(params, suffix_tokens=suffix)
+    message = str(info.value)
+    assert needle in message and _names(message, bad)
+    assert stream.stream_id() in message
+    assert stream.state == before and not engine.calls
+
+
 @EXAMPLES
 @given(bad=bad_tokens, at=st.integers(0, 8))
 def test_a_bad_prompt_token_is_refused_naming_it(bad: Any, at: int) -> None:
@@ -138,15 +155,7 @@ def test_an_empty_prompt_is_refused(empty: Any) -> None:
 def test_a_bad_max_tokens_is_refused_before_the_engine_is_called(bad: Any) -> None:
     """generate refuses max_tokens < 1 or not an int, naming it; no request is sent."""
     TRIED["max_tokens"] += 1
-    kv = InMemoryKV()
-    engine = FakeEngine(kv)
-    stream = lmc_stream.create_request(kv, engine, PROMPT)
-    before = stream.state.copy()
-    with pytest.raises(StreamInputError) as info:
-        stream.generate({"max_tokens": bad})
-    assert "max_tokens" in str(info.value) and _names(str(info.value), bad)
-    assert stream.stream_id() in str(info.value)
-    assert stream.state == before and not engine.calls
+    _assert_generate_refuses(bad, "max_tokens", {"max_tokens": bad})
 
 
 @EXAMPLES
@@ -156,15 +165,9 @@ def test_a_bad_suffix_token_is_refused_before_the_engine_is_called(
 ) -> None:
     """generate refuses suffix_tokens holding a bad id, naming it; nothing changes."""
     TRIED["suffix token"] += 1
-    kv = InMemoryKV()
-    engine = FakeEngine(kv)
-    stream = lmc_stream.create_request(kv, engine, PROMPT)
-    before = stream.state.copy()
-    with pytest.raises(StreamInputError) as info:
-        stream.generate({"max_tokens": 2}, suffix_tokens=_with_bad([1, 2, 3], bad, at))
-    assert "suffix_tokens[" in str(info.value) and _names(str(info.value), bad)
-    assert stream.stream_id() in str(info.value)
-    assert stream.state == before and not engine.calls
+    _assert_generate_refuses(
+        bad, "suffix_tokens[", {"max_tokens": 2}, _with_bad([1, 2, 3], bad, at)
+    )
 
 
 @EXAMPLES
