@@ -117,6 +117,12 @@ def format_header(result: dict[str, Any]) -> str:
         f"{machine['python']}, numpy {machine['numpy']}, load average "
         f"{machine['load_average_1m']} at start",
     ]
+    if machine["blas"] is None and "thread" in cfg["executors"]:
+        lines.append(
+            "note: threadpoolctl is not installed, so the thread executor cannot "
+            "cap BLAS threads and oversubscribes the cores (an unfair baseline): "
+            "pip install 'lmcache-mp[blas]'"
+        )
     return "\n".join(lines)
 
 

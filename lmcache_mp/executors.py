@@ -13,6 +13,7 @@ import abc
 import contextlib
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -161,18 +162,33 @@ class SerialExecutor(PhaseExecutor):
         return result
 
 
+_warned_uncapped = False
+
+
 @contextlib.contextmanager
 def limit_blas_while(concurrent: int) -> Iterator[None]:
     """Cap BLAS threads so that ``concurrent`` callers do not oversubscribe.
 
     One thread per stream with BLAS's default of one thread per core runs
     cores² threads; measured here, upstream's thread batch ran an O(T²) numpy
-    edit at 0.8x the speed of a serial loop on 2 cores (issue #4). Needs
-    threadpoolctl (the ``blas`` extra); without it, nothing is capped.
+    edit at 0.8x the speed of a serial loop on 2 cores (issue #4), and the
+    default benchmark's prefill 3.3x slower than with the cap. Needs
+    threadpoolctl (the ``blas`` extra); without it, nothing is capped and a
+    ``RuntimeWarning`` says so once.
     """
+    global _warned_uncapped
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:
+        if concurrent > 1 and not _warned_uncapped:
+            _warned_uncapped = True
+            warnings.warn(
+                "lmcache_mp: threadpoolctl is not installed, so the thread "
+                "executor cannot cap BLAS threads and oversubscribes the cores; "
+                "pip install 'lmcache-mp[blas]'",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         yield
         return
     with threadpool_limits(limits=max(1, physical_cores() // max(1, concurrent))):

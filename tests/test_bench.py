@@ -393,3 +393,38 @@ def test_result_round_trips_through_json(tmp_path: Path) -> None:
     result.write_json(path)
     assert json.loads(path.read_text()) == result.to_dict()
     assert os.listdir(tmp_path) == ["r.json"]
+
+
+def test_header_warns_when_threads_cannot_cap_blas() -> None:
+    """Without threadpoolctl (machine.blas is null) the header says the thread baseline is oversubscribed."""
+    from lmcache_mp._bench_table import format_header
+
+    config = {
+        "streams": 2,
+        "prompt_tokens": 64,
+        "max_tokens": 2,
+        "layers": 1,
+        "kv_heads": 1,
+        "head_dim": 4,
+        "dtype": "float32",
+        "chunk_size": 16,
+        "start_method": "spawn",
+        "repeat": 1,
+        "seed": 0,
+        "executors": ["thread", "process"],
+    }
+    machine = {
+        "cores_physical": 2,
+        "cores_logical": 2,
+        "cpu_model": "x",
+        "memory_total_bytes": 1,
+        "python": "3",
+        "numpy": "2",
+        "load_average_1m": 0.0,
+        "blas": None,
+    }
+    assert "lmcache-mp[blas]" in format_header({"config": config, "machine": machine})
+    machine["blas"] = []
+    assert "lmcache-mp[blas]" not in format_header(
+        {"config": config, "machine": machine}
+    )

@@ -139,3 +139,18 @@ def test_a_script_without_a_main_guard_gets_a_clear_error(tmp_path: Any) -> None
         [sys.executable, str(script)], capture_output=True, text=True, timeout=120
     )
     assert "ERROR:" in out.stdout and "__name__ == '__main__'" in out.stdout
+
+
+def test_without_threadpoolctl_the_thread_executor_warns_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No threadpoolctl: threads cannot cap BLAS; a RuntimeWarning names the extra, once."""
+    import lmcache_mp.executors as executors
+
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)
+    monkeypatch.setattr(executors, "_warned_uncapped", False)
+    with pytest.warns(RuntimeWarning, match=r"lmcache-mp\[blas\]") as record:
+        batch = _filled("thread", InMemoryKV(4), n=3)
+        batch.modify(lambda kv, t: (kv, t))
+        batch.modify(lambda kv, t: (kv, t))
+    assert sum("threadpoolctl" in str(w.message) for w in record) == 1
