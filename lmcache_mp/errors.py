@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CorruptChunkWarning",
+    "EngineHTTPError",
     "KVConfigError",
     "KVStoreError",
     "KVStoreSecurityError",
@@ -68,6 +69,34 @@ class StreamInputError(LMCacheStreamError, ValueError):
     prompt, ``max_tokens`` below 1, or a modify fn whose result is not a
     4-D ``[2, L, T, D]`` array with ``T == len(new_tokens)``.
     """
+
+
+class EngineHTTPError(LMCacheStreamError):
+    """Raised by the OpenAI-compatible client when the server answers a
+    completion request with an HTTP error (4xx/5xx).
+
+    Attributes:
+        status: The HTTP status code.
+        server_message: The server's own error message (from its OpenAI-style
+            JSON error body, or the body's text).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        stream_id: str | None = None,
+        status: int = 0,
+        server_message: str = "",
+    ) -> None:
+        super().__init__(message, stream_id)
+        self.status = status
+        self.server_message = server_message
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            type(self),
+            (str(self), self.stream_id, self.status, self.server_message),
+        )
 
 
 class SamplingParamsError(LMCacheError, ValueError):

@@ -20,7 +20,7 @@ from lmcache_mp.edits import make_edit
 from lmcache_mp.engine import EmbeddedEngine, EngineConfig
 from lmcache_mp.engine.openai import OpenAICompletions, post_completion
 from lmcache_mp.engine.server import serve
-from lmcache_mp.errors import LMCacheStreamError, SamplingParamsError
+from lmcache_mp.errors import EngineHTTPError, LMCacheStreamError, SamplingParamsError
 from lmcache_mp.kv import connect
 from lmcache_mp.stream import TokenEvent
 from tests._fakes import InMemoryKV
@@ -292,8 +292,11 @@ def test_http_error_carries_status_and_server_message(scripted: Scripted) -> Non
         h.end_headers()
         h.wfile.write(body)
 
-    with pytest.raises(LMCacheStreamError, match=r"HTTP 500 .*GPU on fire"):
+    with pytest.raises(EngineHTTPError, match=r"HTTP 500 .*GPU on fire") as info:
         run(scripted, script)
+    assert (info.value.status, info.value.server_message) == (500, "GPU on fire")
+    again = pickle.loads(pickle.dumps(info.value))
+    assert (again.status, again.server_message) == (500, "GPU on fire")
 
 
 @pytest.mark.parametrize(

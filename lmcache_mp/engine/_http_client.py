@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from lmcache_mp.errors import LMCacheStreamError
+from lmcache_mp.errors import EngineHTTPError, LMCacheStreamError
 
 __all__ = ["Endpoint", "error_message", "open_stream", "read_lines"]
 
@@ -184,8 +184,10 @@ def open_stream(
         resp = conn.getresponse()
         if resp.status >= 400:
             message = error_message(resp.read(_MAX_ERROR_BODY))
-            raise LMCacheStreamError(
-                f"POST {url} failed: HTTP {resp.status} {resp.reason}: {message}"
+            raise EngineHTTPError(
+                f"POST {url} failed: HTTP {resp.status} {resp.reason}: {message}",
+                status=resp.status,
+                server_message=message,
             )
         ctype = resp.getheader("Content-Type", "")
         if not ctype.lower().startswith("text/event-stream"):
