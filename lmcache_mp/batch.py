@@ -18,11 +18,14 @@ from concurrent.futures import Executor
 from types import TracebackType
 from typing import Any
 
+from lmcache_mp._commit import commit
 from lmcache_mp._memory import modify_bound
 from lmcache_mp._phase import build_phase
 from lmcache_mp._pool import make_executor
 from lmcache_mp._reports import ExecutorInfo, generate_report, modify_report
-from lmcache_mp.errors import LMCacheBatchedStreamError, LMCacheStreamError
+from lmcache_mp.errors import (
+    LMCacheBatchedStreamError,
+)
 from lmcache_mp.executors import (
     PhaseExecutor,
     PhaseRun,
@@ -166,30 +169,12 @@ class LMCacheBatchedStream:
             )
             duration = time.perf_counter() - start
         self._last_run = run
-        failures: dict[str, BaseException] = {}
-        for sid in ids:
-            outcome = run.outcomes[sid]
-            if outcome.error is not None or outcome.state is None:
-                outcome.discard_staged()
-                failures[sid] = outcome.error or RuntimeError("no state came back")
-                continue
-            if outcome.staged is not None:
-                try:
-                    outcome.staged.commit()
-                except Exception as exc:
-                    outcome.discard_staged()
-                    failures[sid] = LMCacheStreamError(
-                        f"stream {sid}: its edit could not be committed to the "
-                        f"store: {type(exc).__name__}: {exc}",
-                        sid,
-                    )
-                    failures[sid].__cause__ = exc
-                    continue
-            self.streams[sid].state = outcome.state
-            if outcome.perf is not None:
-                self.perf_metrics[sid] = outcome.perf
-            if outcome.modify is not None:
-                self.modify_metrics[sid] = outcome.modify
+        failures = commit(
+            [self.streams[sid] for sid in ids],
+            run,
+            self.perf_metrics,
+            self.modify_metrics,
+        )
         return duration, failures
 
     def _modify_bound(self, ids: list[str]) -> int | None:

@@ -413,6 +413,10 @@ class KillAfterEdit:
         self._maybe_die(tokens)
         return staged
 
+    def sweep(self) -> int:
+        """The wrapped store's."""
+        return self.inner.sweep()
+
     def _maybe_die(self, tokens: Sequence[int]) -> None:
         if self.armed and tokens[0] == 0 and os.getpid() != self.parent:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -439,11 +443,13 @@ def test_a_worker_killed_after_an_in_place_edit_landed_keeps_the_old_kv(
         kv_before = store.retrieve(before.tokens)
         ctx.armed = True
         with pytest.raises(LMCacheBatchedStreamError) as info:
-            batch.modify(edit, timeout=WAIT_S)
+            batch.modify(edit, stream_ids=[target], timeout=WAIT_S)
         assert list(info.value.failures) == [target]
         assert isinstance(info.value.failures[target], TerminatedWorkerError)
         assert batch.streams[target].state == before
         np.testing.assert_array_equal(store.retrieve(before.tokens), kv_before)
+        # What the dead worker staged or half-wrote was swept away.
+        assert not [n for n in os.listdir(store.path) if n.startswith(".tmp-")]
 
 
 #: Runs in a child interpreter, so that a hang in the library cannot hang the

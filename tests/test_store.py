@@ -616,3 +616,17 @@ def test_unpickled_copy_of_a_destroyed_store_raises(
     ctx.destroy()
     with pytest.raises(KVStoreError, match="does not exist"):
         copy.retrieve(TOKENS)
+
+
+def test_sweep_removes_temp_files_of_dead_writers(ctx: SharedMemoryKVStore) -> None:
+    """sweep() removes what a dead writer left (a staged edit never committed)."""
+    ctx.store(kv_of(TOKENS), TOKENS)
+    staged = ctx.stage(kv_of(TOKENS, seed=1), TOKENS)
+    for tmp, _ in staged.moves:  # pretend the writer (this pid) has died
+        os.rename(
+            os.path.join(ctx.path, tmp),
+            os.path.join(ctx.path, ".tmp-999999999-x" + tmp[-4:]),
+        )
+    assert ctx.sweep() == 3
+    assert temp_names(ctx) == []
+    np.testing.assert_array_equal(bits(ctx.retrieve(TOKENS)), bits(kv_of(TOKENS)))

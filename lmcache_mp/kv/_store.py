@@ -409,6 +409,18 @@ class SharedMemoryKVStore:
                 moves.append((tmp, names[index]))
         return fits > 0 or bool(rewrite), moves
 
+    def sweep(self) -> int:
+        """Remove the temp files of writers that died (unfinished or staged
+        writes); opening a store does this too.
+
+        Returns:
+            How many files were removed.
+
+        Raises:
+            KVStoreError: If the store is closed.
+        """
+        return remove_stale_temps(self._dir_fd())
+
     def stats(self) -> StoreStats:
         """Return the store's size and this handle's counters.
 
