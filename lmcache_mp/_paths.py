@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
-__all__ = ["private_tempdir", "remove_tree", "shm_root"]
+__all__ = ["atomic_write_text", "private_tempdir", "remove_tree", "shm_root"]
 
 
 def shm_root() -> str:
@@ -38,3 +39,24 @@ def remove_tree(path: str | None) -> None:
     """Remove a directory tree; a missing one is fine (safe to call twice)."""
     if path is not None:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old or new file only.
+
+    The file is created with mode 0600 (``mkstemp``'s), like the rest of
+    the files this package writes.
+    """
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(
+        dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"
+    )
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -105,6 +105,7 @@ from lmcache_mp._bench_machine import load_average, machine_info, usable_cores
 from lmcache_mp._bench_plot import write_plot
 from lmcache_mp._bench_run import RunFigures, run_once
 from lmcache_mp._bench_table import format_header, format_point
+from lmcache_mp._paths import atomic_write_text
 from lmcache_mp.engine import EmbeddedEngine
 from lmcache_mp.kv import connect
 
@@ -163,15 +164,7 @@ class BenchResult:
         Raises:
             OSError: If the file cannot be written.
         """
-        target = os.fspath(path)
-        temp = f"{target}.tmp-{os.getpid()}"
-        try:
-            with open(temp, "w", encoding="utf-8") as f:
-                f.write(to_json(self) + "\n")
-            os.replace(temp, target)
-        finally:
-            if os.path.exists(temp):
-                os.unlink(temp)
+        atomic_write_text(path, to_json(self) + "\n")
 
     def write_plot(self, path: str | os.PathLike[str]) -> None:
         """Draw the modify wall times (and the sweep's speedup curve).

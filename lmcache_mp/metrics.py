@@ -13,7 +13,6 @@ import abc
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -27,6 +26,7 @@ from lmcache_mp._formatters import (
     get_formatter,
     register_formatter,
 )
+from lmcache_mp._paths import atomic_write_text
 from lmcache_mp._section import Section, report_dict
 
 __all__ = [
@@ -44,27 +44,6 @@ __all__ = [
     "register_formatter",
     "summarize",
 ]
-
-
-def _atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old or new file only.
-
-    The file is created with mode 0600 (``mkstemp``'s), like the rest of
-    the files this package writes.
-    """
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(
-        dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"
-    )
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class MetricsHandler(abc.ABC):
@@ -125,7 +104,7 @@ class FileHandler(MetricsHandler):
 
     def emit(self, title: str, sections: Sequence[Section]) -> None:
         """Write the rendered report to a temp file, then rename it over the file."""
-        _atomic_write_text(self.path, self.formatter.format(title, sections) + "\n")
+        atomic_write_text(self.path, self.formatter.format(title, sections) + "\n")
 
 
 class Metrics:

@@ -14,6 +14,8 @@ import stat
 import time
 from typing import NamedTuple
 
+import psutil
+
 from lmcache_mp.errors import KVStoreError, KVStoreSecurityError
 
 __all__ = [
@@ -112,16 +114,6 @@ def open_store_dir(path: str, create: bool) -> int:
     return fd
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_temps(dir_fd: int) -> int:
     """Remove temp files left by writers that died mid-write.
 
@@ -143,7 +135,7 @@ def remove_stale_temps(dir_fd: int) -> int:
                 continue
             pid_text = entry.name[len(TEMP_PREFIX) :].split("-", 1)[0]
             try:
-                dead = not pid_text.isdigit() or not _pid_alive(int(pid_text))
+                dead = not pid_text.isdigit() or not psutil.pid_exists(int(pid_text))
                 old = now - entry.stat(follow_symlinks=False).st_mtime > _STALE_TEMP_S
                 if dead or old:
                     os.unlink(entry.name, dir_fd=dir_fd)
