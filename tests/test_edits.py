@@ -24,6 +24,7 @@ from lmcache_mp.edits import (
     RandomDrop,
     RecentWindow,
     RedundancyDrop,
+    Stride,
     keep_indices,
     make_edit,
 )
@@ -37,6 +38,7 @@ SMALL: dict[str, dict[str, Any]] = {
     "quantize": {"bits": 4, "group_size": 8},
     "pyscore": {"keep": 0.5, "keep_first": 4, "keep_last": 4, "work": 2, "span": 8},
     "identity": {},
+    "stride": {"every": 3},
 }
 NAMES = sorted(EDITS)
 # Edits that keep a subset of the tokens and leave the kept rows untouched.
@@ -73,7 +75,7 @@ def run_in_child(edit: Edit, kv: np.ndarray, tokens: list[int]) -> list[int]:
 
 
 def test_registry_has_the_documented_names() -> None:
-    """EDITS maps exactly the six documented names to their edit classes."""
+    """EDITS maps exactly the seven documented names to their edit classes."""
     assert set(EDITS) == {
         "random",
         "window",
@@ -81,6 +83,7 @@ def test_registry_has_the_documented_names() -> None:
         "quantize",
         "pyscore",
         "identity",
+        "stride",
     }
     assert all(cls.name == name for name, cls in EDITS.items())
 
@@ -196,6 +199,7 @@ INVALID = [
     ("pyscore", {"work": 0}, "work"),
     ("pyscore", {"span": 0}, "span"),
     ("pyscore", {"layers": ()}, "layers"),
+    ("stride", {"every": 0}, "every"),
 ]
 
 
@@ -366,6 +370,19 @@ def test_recent_window_keeps_all_of_a_short_sequence() -> None:
     tokens = distinct_tokens()
     _, new_tokens, _ = RecentWindow(window=T - 4, sinks=4)(random_kv(), tokens)
     assert new_tokens == tokens
+
+
+# --- Stride ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("every", [1, 2, 5, T + 1])
+def test_stride_keeps_every_nth_token_from_the_first(every: int) -> None:
+    """Stride keeps positions 0, every, 2*every, ... with their KV rows."""
+    kv, tokens = random_kv(), distinct_tokens()
+    new_kv, new_tokens, info = Stride(every=every)(kv, tokens)
+    assert new_tokens == tokens[::every]
+    np.testing.assert_array_equal(new_kv, kv[:, :, ::every])
+    assert info == {"kept": len(new_tokens), "dropped": T - len(new_tokens)}
 
 
 # --- RedundancyDrop ----------------------------------------------------------

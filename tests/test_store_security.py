@@ -9,7 +9,6 @@ a forged chunk harmless is that chunks are raw numbers, never unpickled.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
 import shutil
@@ -22,7 +21,7 @@ import pytest
 
 from lmcache_mp.errors import CorruptChunkWarning, KVStoreError, KVStoreSecurityError
 from lmcache_mp.kv import SharedMemoryKVStore, _connect
-from lmcache_mp.kv._chunk import HEADER_SIZE
+from lmcache_mp.kv._chunk import FORMAT_VERSION, HEADER_SIZE, chunk_digest
 from lmcache_mp.kv._keys import chunk_keys, token_array
 from tests._store_util import StoreFactory, chunk_paths, kv_of, unique_url
 
@@ -177,10 +176,10 @@ def test_chunk_renamed_to_another_key_is_rejected(ctx: SharedMemoryKVStore) -> N
 
 def _forge(ctx: SharedMemoryKVStore, path: str, key: bytes, payload: bytes) -> None:
     """Write a chunk with a correct header and digest around ``payload``."""
-    fields = struct.pack("<8sHHIIIQ", b"LMCMPKV\0", 1, 1, 2, C, 4, len(payload))
-    digest = hashlib.blake2b(
-        fields + payload, digest_size=16, key=key, person=b"lmcache-mp/kvchk"
-    ).digest()
+    fields = struct.pack(
+        "<8sHHIIIQ", b"LMCMPKV\0", FORMAT_VERSION, 1, 2, C, 4, len(payload)
+    )
+    digest = chunk_digest(key, fields, [memoryview(payload)])
     with open(path, "wb") as fh:
         fh.write(fields + digest + payload)
 

@@ -14,6 +14,7 @@ from lmcache_mp.edits._redundancy import RedundancyDrop
 from lmcache_mp.edits._registry import EDITS, make_edit
 from lmcache_mp.edits._scorer import PyTokenScorer
 from lmcache_mp.edits._select import keep_indices
+from lmcache_mp.edits._stride import Stride
 from lmcache_mp.edits._window import RecentWindow
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "RandomDrop",
     "RecentWindow",
     "RedundancyDrop",
+    "Stride",
     "keep_indices",
     "make_edit",
 ]

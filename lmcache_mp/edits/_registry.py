@@ -13,6 +13,7 @@ from lmcache_mp.edits._identity import Identity
 from lmcache_mp.edits._quantize import Quantize
 from lmcache_mp.edits._redundancy import RedundancyDrop
 from lmcache_mp.edits._scorer import PyTokenScorer
+from lmcache_mp.edits._stride import Stride
 from lmcache_mp.edits._window import RecentWindow
 
 __all__ = ["EDITS", "make_edit"]
@@ -28,6 +29,7 @@ EDITS: Mapping[str, type[Edit]] = MappingProxyType(
             Quantize,
             PyTokenScorer,
             Identity,
+            Stride,
         )
     }
 )
@@ -38,8 +40,8 @@ def make_edit(name: str, **params: Any) -> Edit:
 
     Args:
         name: A key of :data:`EDITS`: ``"random"``, ``"window"``,
-            ``"redundancy"``, ``"quantize"``, ``"pyscore"`` or
-            ``"identity"``.
+            ``"redundancy"``, ``"quantize"``, ``"pyscore"``,
+            ``"identity"`` or ``"stride"``.
         **params: The edit's parameters (its class's fields).
 
     Returns:

@@ -9,13 +9,18 @@ Layout of a chunk file (little-endian)::
     tokens   u32  the store's chunk size
     width    u32
     payload  u64  payload length in bytes
-    digest   16s  keyed BLAKE2b-128 of the 32 bytes above + payload
+    digest   16s  keyed BLAKE2b-128 of the 32 bytes above + the payload's
+                  CRC-32 (u32)
     payload       the [2, layers, tokens, width] elements, C order
 
 The digest is keyed with the chunk's key, so a chunk file renamed to
 another key fails as well. It detects corruption, truncation and torn or
 misplaced files; it is not a secret, so it does not stop a user who can
 write the directory from forging a chunk: the 0700 directory does that.
+The payload pass is CRC-32 rather than BLAKE2b (format version 2, issue
+#12): it detects the same accidents at about 2.5 GB/s against BLAKE2b's
+0.8 GB/s, which cost two thirds of every retrieve; BLAKE2b still binds the
+CRC to the header and the key.
 Payloads are raw elements: reading a chunk never unpickles anything.
 """
 
@@ -29,6 +34,7 @@ import os
 import stat
 import struct
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,8 +45,10 @@ from lmcache_mp.kv._files import temp_name
 from lmcache_mp.kv._layout import Layout, dtype_code
 
 __all__ = [
+    "FORMAT_VERSION",
     "HEADER_SIZE",
     "CorruptChunk",
+    "chunk_digest",
     "chunk_file_size",
     "chunk_views",
     "read_chunk",
@@ -48,7 +56,7 @@ __all__ = [
 ]
 
 MAGIC = b"LMCMPKV\0"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _FIELDS = struct.Struct("<8sHHIIIQ")
 _DIGEST_BYTES = 16
 #: Bytes before the payload: the fields and the digest.
@@ -102,11 +110,26 @@ def _fields(layout: Layout, chunk_size: int) -> bytes:
     )
 
 
-def _digest(key: bytes, fields: bytes, payload: Sequence[memoryview]) -> bytes:
-    hasher = hashlib.blake2b(fields, digest_size=_DIGEST_BYTES, key=key, person=_PERSON)
+def chunk_digest(key: bytes, fields: bytes, payload: Sequence[memoryview]) -> bytes:
+    """The digest a chunk's header holds.
+
+    Args:
+        key: The chunk's key.
+        fields: The packed header fields (the 32 bytes before the digest).
+        payload: The payload's bytes, in file order.
+
+    Returns:
+        16 bytes: keyed BLAKE2b of ``fields`` and the payload's CRC-32.
+    """
+    crc = 0
     for view in payload:
-        hasher.update(view)
-    return hasher.digest()
+        crc = zlib.crc32(view, crc)
+    return hashlib.blake2b(
+        fields + crc.to_bytes(4, "little"),
+        digest_size=_DIGEST_BYTES,
+        key=key,
+        person=_PERSON,
+    ).digest()
 
 
 def _transfer(
@@ -164,7 +187,7 @@ def write_chunk(
         OSError: If the file cannot be written (e.g. the filesystem is full).
     """
     fields = _fields(layout, chunk_size)
-    header = fields + _digest(key, fields, payload)
+    header = fields + chunk_digest(key, fields, payload)
     tmp = temp_name()
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
@@ -203,7 +226,8 @@ def _check(
             f"header (dtype code {code}, layers {layers}, tokens {tokens}, width "
             f"{width}, payload {length}) does not match the store {layout.describe()}"
         )
-    if not hmac.compare_digest(header[_FIELDS.size :], _digest(key, fields, payload)):
+    digest = chunk_digest(key, fields, payload)
+    if not hmac.compare_digest(header[_FIELDS.size :], digest):
         raise CorruptChunk("checksum mismatch")
 
 
