@@ -13,6 +13,7 @@ from lmcache_mp.errors import (
     LMCacheError,
     LMCacheStreamError,
 )
+from lmcache_mp.hints import gil_bound, releases_gil
 from lmcache_mp.kv import KVContext, connect
 from lmcache_mp.metrics import Metrics
 from lmcache_mp.stream import (
@@ -36,6 +37,8 @@ __all__ = [
     "TokenEvent",
     "connect",
     "create_request",
+    "gil_bound",
+    "releases_gil",
 ]
 
 __version__ = "0.1.0"

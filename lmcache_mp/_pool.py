@@ -41,16 +41,9 @@ from lmcache_mp._paths import remove_tree
 from lmcache_mp._phase import StreamJob, StreamOutcome
 from lmcache_mp._worker import BLAS_ENV_VARS, initialize
 from lmcache_mp.errors import TerminatedWorkerError
-from lmcache_mp.executors import (
-    EXECUTOR_NAMES,
-    PhaseExecutor,
-    PhaseRun,
-    SerialExecutor,
-    ThreadExecutor,
-    physical_cores,
-)
+from lmcache_mp.executors import PhaseRun, physical_cores
 
-__all__ = ["ForeignExecutor", "ProcessExecutor", "make_executor"]
+__all__ = ["ForeignExecutor", "ProcessExecutor"]
 
 _SIGNAL_CAUSES = {
     signal.SIGKILL: "killed by another process or by the kernel's out-of-memory killer",
@@ -323,31 +316,3 @@ class ForeignExecutor(ShardExecutor):
         """Remove the phase files; the caller's executor is left running."""
         remove_tree(self._dir)
         self._dir = None
-
-
-def make_executor(
-    executor: str | Executor | PhaseExecutor,
-    max_workers: int | None,
-    mp_context: str,
-    preload: Sequence[str],
-    blas_threads: int | None,
-) -> PhaseExecutor:
-    """Turn a batch's ``executor=`` argument into a :class:`PhaseExecutor`.
-
-    Raises:
-        ValueError: For an unknown executor name or start method.
-    """
-    if isinstance(executor, PhaseExecutor):
-        return executor
-    if isinstance(executor, Executor):
-        return ForeignExecutor(executor)
-    if executor == "process":
-        return ProcessExecutor(max_workers, mp_context, preload, blas_threads)
-    if executor == "thread":
-        return ThreadExecutor(max_workers)
-    if executor == "serial":
-        return SerialExecutor()
-    raise ValueError(
-        f"unknown executor {executor!r}; choose one of {', '.join(EXECUTOR_NAMES)}"
-        " or pass a concurrent.futures.Executor"
-    )

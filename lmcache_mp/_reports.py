@@ -21,10 +21,19 @@ __all__ = ["ExecutorInfo", "generate_report", "modify_report"]
 
 @dataclass(frozen=True)
 class ExecutorInfo:
-    """Which executor ran a phase, for the report's config section."""
+    """Which executor ran a phase, for the report's config section.
+
+    Args:
+        name: The batch's executor.
+        workers: Workers or threads that ran the phase.
+        chosen: What ``"auto"`` chose for the phase (``""`` otherwise).
+        reason: Why it chose it.
+    """
 
     name: str
     workers: int
+    chosen: str = ""
+    reason: str = ""
 
 
 def _new_report(
@@ -36,6 +45,9 @@ def _new_report(
     config.add("num_streams", "Number of Streams", num_streams)
     config.add("executor", "Executor", info.name)
     config.add("workers", "Workers", info.workers)
+    if info.chosen:
+        config.add("executor_chosen", "Chosen Executor", info.chosen)
+        config.add("executor_reason", "Chosen Because", info.reason)
     return metrics
 
 

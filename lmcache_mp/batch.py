@@ -19,9 +19,9 @@ from types import TracebackType
 from typing import Any
 
 from lmcache_mp._commit import commit
+from lmcache_mp._factory import make_executor
 from lmcache_mp._memory import modify_bound
 from lmcache_mp._phase import build_phase
-from lmcache_mp._pool import make_executor
 from lmcache_mp._reports import ExecutorInfo, generate_report, modify_report
 from lmcache_mp.errors import (
     LMCacheBatchedStreamError,
@@ -46,8 +46,11 @@ class LMCacheBatchedStream:
 
     Args:
         executor: ``"process"`` (default: a persistent pool of worker
-            processes, so CPU-heavy edits use every core), ``"thread"`` (one
-            thread per stream, upstream's design), ``"serial"``, or a
+            processes, so CPU-heavy edits use every core), ``"auto"``
+            (threads or that pool, chosen per phase from the engine and
+            from the first stream of each new modify fn; the report says
+            which and why), ``"thread"`` (one thread per stream,
+            upstream's design), ``"serial"``, or a
             ``concurrent.futures.Executor`` the caller owns (not shut down
             by :meth:`close`).
         max_workers: Worker processes (``"process"``; default: physical
@@ -203,6 +206,11 @@ class LMCacheBatchedStream:
         )
 
     def _info(self) -> ExecutorInfo:
+        run = self._last_run
+        if run is not None and run.executor:
+            return ExecutorInfo(
+                self._executor.name, run.workers, run.executor, run.reason
+            )
         return ExecutorInfo(self._executor.name, self._executor.workers)
 
     # -- upstream's lower-level API ----------------------------------------------

@@ -3,7 +3,7 @@
 Every executor takes the same input (a :class:`~lmcache_mp._phase.PhaseSpec`
 and one job per stream) and returns one outcome per stream; the batch
 commits the successful ones. The batch picks an executor by name
-(``"serial"``, ``"thread"``, ``"process"``) or wraps a caller-owned
+(``"auto"``, ``"serial"``, ``"thread"``, ``"process"``) or wraps a caller-owned
 :class:`concurrent.futures.Executor`.
 """
 
@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 #: The executor names ``LMCacheBatchedStream(executor=...)`` accepts.
-EXECUTOR_NAMES = ("process", "serial", "thread")
+EXECUTOR_NAMES = ("auto", "process", "serial", "thread")
 
 
 def physical_cores() -> int:
@@ -55,6 +55,9 @@ class PhaseRun:
         bytes_received: Bytes pickled from workers back to the parent.
         pool_start_s: Seconds spent starting worker processes in this phase.
         pool_rebuilds: Times the pool was rebuilt after a worker died.
+        executor: The executor ``"auto"`` chose (``""`` for the others).
+        reason: Why it chose it.
+        workers: Workers or threads the chosen executor ran (``"auto"``).
     """
 
     outcomes: dict[str, StreamOutcome] = field(default_factory=dict)
@@ -62,6 +65,9 @@ class PhaseRun:
     bytes_received: int = 0
     pool_start_s: float = 0.0
     pool_rebuilds: int = 0
+    executor: str = ""
+    reason: str = ""
+    workers: int = 0
 
 
 def timeout_outcome(job: StreamJob, timeout: float | None) -> StreamOutcome:

@@ -19,10 +19,16 @@ PROMPT_LENGTHS = (10, 9, 13)
 
 
 @pytest.fixture(
-    params=["serial", "thread", "process-spawn", "process-forkserver"],
+    params=[
+        "serial",
+        "thread",
+        "process-spawn",
+        "process-forkserver",
+        "auto-forkserver",
+    ],
 )
 def executor_opts(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """Every executor; the process one once per start method."""
+    """Every executor; the process one once per start method, auto on one."""
     name, _, method = request.param.partition("-")
     opts: dict[str, Any] = {"executor": name}
     if method:

@@ -8,10 +8,12 @@ from typing import Any, ClassVar
 import numpy.typing as npt
 
 from lmcache_mp.edits._base import Edit, EditResult
+from lmcache_mp.hints import releases_gil
 
 __all__ = ["Identity"]
 
 
+@releases_gil
 @dataclass(frozen=True)
 class Identity(Edit):
     """Return the KV and tokens unchanged.

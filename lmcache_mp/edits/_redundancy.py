@@ -11,6 +11,7 @@ import numpy.typing as npt
 
 from lmcache_mp.edits._base import check_int, check_layers, resolve_layers
 from lmcache_mp.edits._select import ScoredDrop
+from lmcache_mp.hints import releases_gil
 
 __all__ = ["RedundancyDrop"]
 
@@ -19,6 +20,7 @@ __all__ = ["RedundancyDrop"]
 _BLOCK_ELEMENTS = 1 << 24
 
 
+@releases_gil
 @dataclass(frozen=True)
 class RedundancyDrop(ScoredDrop):
     """Drop the tokens whose keys most resemble other tokens' keys.

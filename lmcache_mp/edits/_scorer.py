@@ -11,10 +11,12 @@ import numpy.typing as npt
 
 from lmcache_mp.edits._base import check_int, check_layers, resolve_layers
 from lmcache_mp.edits._select import ScoredDrop
+from lmcache_mp.hints import gil_bound
 
 __all__ = ["PyTokenScorer"]
 
 
+@gil_bound
 @dataclass(frozen=True)
 class PyTokenScorer(ScoredDrop):
     """Keep the tokens with the largest keys, scored in a pure-Python loop.

@@ -8,10 +8,12 @@ from typing import Any, ClassVar
 import numpy.typing as npt
 
 from lmcache_mp.edits._base import Edit, EditResult, check_int
+from lmcache_mp.hints import releases_gil
 
 __all__ = ["Stride"]
 
 
+@releases_gil
 @dataclass(frozen=True)
 class Stride(Edit):
     """Keep every ``every``-th token, starting with the first.

@@ -10,10 +10,12 @@ import numpy.typing as npt
 
 from lmcache_mp.edits._base import Edit, EditResult, check_int
 from lmcache_mp.edits._select import keep_indices
+from lmcache_mp.hints import releases_gil
 
 __all__ = ["RecentWindow"]
 
 
+@releases_gil
 @dataclass(frozen=True)
 class RecentWindow(Edit):
     """Keep the first ``sinks`` tokens and the last ``window`` tokens.

@@ -15,6 +15,7 @@ from lmcache_mp.engine._model import KVSequence
 from lmcache_mp.engine._sampling import Sampler, SamplingParams
 from lmcache_mp.engine._vocab import ToyVocab
 from lmcache_mp.errors import StreamInputError
+from lmcache_mp.hints import gil_bound
 from lmcache_mp.kv import KVContext
 from lmcache_mp.stream import TokenEvent
 
@@ -47,6 +48,7 @@ class EngineStats:
         )
 
 
+@gil_bound
 class EmbeddedEngine:
     """A small deterministic transformer, used like vLLM with LMCache.
 

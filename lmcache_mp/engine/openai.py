@@ -35,6 +35,7 @@ from typing import Any, Literal
 from lmcache_mp.engine._http_client import Endpoint, open_stream, read_lines
 from lmcache_mp.engine._sse import DONE, iter_events
 from lmcache_mp.errors import LMCacheStreamError, SamplingParamsError, StreamInputError
+from lmcache_mp.hints import releases_gil
 from lmcache_mp.stream import TokenEvent
 
 __all__ = ["OpenAICompletions", "TokenIdSource", "post_completion"]
@@ -56,6 +57,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+@releases_gil
 @dataclass(frozen=True)
 class OpenAICompletions:
     """A ``post_completion`` callable backed by an OpenAI completions server.

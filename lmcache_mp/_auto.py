@@ -1,0 +1,287 @@
+"""``executor="auto"``: threads or processes, chosen per phase (issue #12).
+
+Data flow of a phase::
+
+    batch --run(spec, jobs)--> AutoExecutor
+      generate: the engines' GIL hints ------------------------> choice
+      modify:   fn digest seen before? -------------------------> choice
+                else fn hint gil_bound? ------------------------> processes
+                else run jobs[0] here under a GIL watch:
+                     seconds c, GIL-held share g --> cost model -> choice
+      the other jobs --> ThreadExecutor | ProcessExecutor --> PhaseRun
+                         (.executor and .reason say which and why)
+
+Threads cost nothing to start and move no state through pipes, but run
+Python bytecode one stream at a time; processes run it on every core but
+pay a round trip per stream and, once, the pool start. The first modify
+stream of an unknown fn is a real run (its outcome commits), measured on
+the caller's thread with one BLAS thread, as a worker would run it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import cloudpickle
+
+from lmcache_mp._phase import PhaseSpec, StreamJob
+from lmcache_mp._pool import ProcessExecutor
+from lmcache_mp._worker import run_job
+from lmcache_mp.executors import (
+    PhaseExecutor,
+    PhaseRun,
+    ThreadExecutor,
+    limit_blas_while,
+    physical_cores,
+)
+from lmcache_mp.hints import gil_hint
+
+__all__ = ["AutoExecutor", "Choice", "GilWatch", "weigh"]
+
+#: Parent-side cost of one stream on the pool (task pickling, the result
+#: queue, the outcome): 0.3-1 ms measured here on 2 cores (issue #12).
+ROUND_TRIP_S = 1e-3
+#: Pool start assumed before one was measured, by start method (measured
+#: here with the default preload: spawn 0.6-1.2 s, forkserver 0.4-0.8 s).
+_START_GUESS_S = {"spawn": 1.0, "forkserver": 0.6, "fork": 0.1}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The executor that runs a phase, and why.
+
+    Args:
+        executor: ``"thread"`` or ``"process"``.
+        reason: One sentence for the report.
+    """
+
+    executor: str
+    reason: str
+
+
+class GilWatch:
+    """Measure how much a block of code holds the GIL.
+
+    A watcher thread naps in a loop; each time it wakes it needs the GIL.
+    While the watched thread runs bytecode, the watcher waits until the
+    interpreter forces a switch (``sys.getswitchinterval()``, 5 ms); while
+    it runs C code that released the GIL, the watcher gets it within the
+    timer's slack (~0.1 ms). The time spent waiting, over the most it can
+    be (a switch interval per nap), is the GIL-held share.
+    """
+
+    _NAP_S = 1e-3
+    #: A wake-up later than this waited for the GIL, not for the timer.
+    _BLOCKED_S = 5e-4
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._blocked = 0.0
+        self._begin = 0.0
+        #: Seconds the block took (set on exit).
+        self.wall_s = 0.0
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            start = time.perf_counter()
+            time.sleep(self._NAP_S)
+            late = time.perf_counter() - start - self._NAP_S
+            if late > self._BLOCKED_S:
+                self._blocked += late
+
+    @property
+    def held(self) -> float:
+        """GIL-held share in ``[0, 1]``."""
+        if self.wall_s <= 0.0:
+            return 0.0
+        # Held throughout, the watcher waits a switch interval per nap.
+        switch = sys.getswitchinterval()
+        most = self.wall_s * switch / (switch + self._NAP_S)
+        return min(1.0, self._blocked / most)
+
+    def __enter__(self) -> GilWatch:
+        self._begin = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.wall_s = time.perf_counter() - self._begin
+        self._stop.set()
+        self._thread.join()
+
+
+def weigh(seconds: float, held: float, rest: int, cores: int, start_s: float) -> Choice:
+    """Pick the cheaper executor for ``rest`` streams like the measured one.
+
+    Args:
+        seconds: One stream's measured seconds on one core.
+        held: Its GIL-held share, in ``[0, 1]``.
+        rest: Streams still to run.
+        cores: Cores available.
+        start_s: Seconds to start the pool first (0 when it runs).
+
+    Returns:
+        The choice, with the estimates in its reason.
+    """
+    k = max(1, min(cores, rest))
+    # Threads overlap what runs without the GIL; the held share is serial.
+    threads = rest * seconds * max(held, 1.0 / k)
+    processes = rest * (seconds / k + ROUND_TRIP_S) + start_s
+    executor = "process" if processes < threads else "thread"
+    return Choice(
+        executor,
+        f"first stream took {seconds * 1e3:.1f} ms holding the GIL "
+        f"{held:.0%} of it: est. {threads * 1e3:.0f} ms on threads vs "
+        f"{processes * 1e3:.0f} ms on processes",
+    )
+
+
+def _fn_digest(spec: PhaseSpec) -> str | None:
+    try:
+        blob = cloudpickle.dumps(spec.fn)
+    except Exception:
+        return None
+    return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+
+class AutoExecutor(PhaseExecutor):
+    """Runs each phase on threads or on a process pool, whichever is faster.
+
+    Args:
+        max_workers: As for ``"process"`` (workers) and ``"thread"``
+            (threads; default one per stream).
+        mp_context: Start method of the pool.
+        preload: Modules each worker imports at start.
+        blas_threads: BLAS threads per worker.
+
+    Raises:
+        ValueError: As :class:`~lmcache_mp._pool.ProcessExecutor`.
+    """
+
+    name = "auto"
+
+    def __init__(
+        self,
+        max_workers: int | None = None,
+        mp_context: str = "spawn",
+        preload: Sequence[str] = (),
+        blas_threads: int | None = None,
+    ) -> None:
+        self._process = ProcessExecutor(max_workers, mp_context, preload, blas_threads)
+        self._thread = ThreadExecutor(max_workers)
+        self._mp_context = mp_context
+        self._decisions: dict[str, Choice] = {}
+        self._start_s: float | None = None
+
+    @property
+    def workers(self) -> int:
+        """Worker processes the pool has (or would have)."""
+        return self._process.workers
+
+    @property
+    def process(self) -> ProcessExecutor:
+        """The pool the process choice runs on (started on first use)."""
+        return self._process
+
+    def close(self) -> None:
+        """Stop the pool if it was started; safe to call twice."""
+        self._process.close()
+        self._thread.close()
+
+    def _pool_start_s(self) -> float:
+        if self._process.pids():
+            return 0.0
+        if self._start_s is not None:
+            return self._start_s
+        return _START_GUESS_S.get(self._mp_context, 1.0)
+
+    def choose_generate(self, spec: PhaseSpec, n_jobs: int) -> Choice:
+        """Pick by the engines: GIL-bound ones (the embedded engine) need
+        processes; I/O-bound ones (an HTTP client) run on threads."""
+        hints = [gil_hint(engine) for engine in spec.engines]
+        if n_jobs > 1 and physical_cores() > 1 and any(h is True for h in hints):
+            return Choice("process", "the engine computes in Python (holds the GIL)")
+        if hints and all(h is False for h in hints):
+            return Choice("thread", "the engine waits on I/O (releases the GIL)")
+        if n_jobs <= 1 or physical_cores() <= 1:
+            return Choice("thread", "nothing to run in parallel")
+        return Choice("thread", "the engine gives no GIL hint: threads, as upstream")
+
+    def run(
+        self,
+        spec: PhaseSpec,
+        jobs: list[StreamJob],
+        *,
+        timeout: float | None = None,
+        max_in_flight: int | None = None,
+    ) -> PhaseRun:
+        """Run a phase on the chosen executor; see :meth:`PhaseExecutor.run`."""
+        if spec.kind == "generate":
+            choice = self.choose_generate(spec, len(jobs))
+            return self._run_on(choice, spec, jobs, timeout, max_in_flight)
+        digest = _fn_digest(spec)
+        if digest is None:
+            # A fn that cannot be pickled still runs, on threads.
+            choice = Choice("thread", "the modify fn cannot be pickled")
+        elif digest in self._decisions:
+            choice = self._decisions[digest]
+        elif len(jobs) <= 1 or physical_cores() <= 1:
+            choice = Choice("thread", "nothing to run in parallel")
+        elif gil_hint(spec.fn) is True:
+            choice = self._decisions[digest] = Choice(
+                "process", "the modify fn is marked gil_bound"
+            )
+        else:
+            return self._probe(spec, jobs, digest, timeout, max_in_flight)
+        return self._run_on(choice, spec, jobs, timeout, max_in_flight)
+
+    def _probe(
+        self,
+        spec: PhaseSpec,
+        jobs: list[StreamJob],
+        digest: str,
+        timeout: float | None,
+        max_in_flight: int | None,
+    ) -> PhaseRun:
+        """Run the first job here, measured; the rest where it says."""
+        cores = physical_cores()
+        with limit_blas_while(cores), GilWatch() as watch:
+            first = run_job(spec, jobs[0], remote=False)
+        held = 0.0 if gil_hint(spec.fn) is False else watch.held
+        choice = weigh(watch.wall_s, held, len(jobs) - 1, cores, self._pool_start_s())
+        if first.error is None:
+            self._decisions[digest] = choice
+        left = None if timeout is None else max(0.0, timeout - watch.wall_s)
+        run = self._run_on(choice, spec, jobs[1:], left, max_in_flight)
+        run.outcomes = {first.stream_id: first, **run.outcomes}
+        return run
+
+    def _run_on(
+        self,
+        choice: Choice,
+        spec: PhaseSpec,
+        jobs: list[StreamJob],
+        timeout: float | None,
+        max_in_flight: int | None,
+    ) -> PhaseRun:
+        inner: PhaseExecutor = self._process
+        if choice.executor == "thread":
+            inner = self._thread
+        run = inner.run(spec, jobs, timeout=timeout, max_in_flight=max_in_flight)
+        if run.pool_start_s:
+            self._start_s = run.pool_start_s
+        run.executor, run.reason = choice.executor, choice.reason
+        run.workers = self._process.workers if inner is self._process else len(jobs)
+        return run
