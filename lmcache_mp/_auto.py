@@ -47,6 +47,11 @@ __all__ = ["AutoExecutor", "Choice", "GilWatch", "weigh"]
 #: Parent-side cost of one stream on the pool (task pickling, the result
 #: queue, the outcome): 0.3-1 ms measured here on 2 cores (issue #12).
 ROUND_TRIP_S = 1e-3
+#: Share of the cores threads reach on CPU work that releases the GIL:
+#: measured here at ~0.5 on 2 cores (``bench --compare``: threads ran the
+#: redundancy and stride edits no faster than one core, the GIL convoy on
+#: every store call) where processes reached 1.2-2x (issue #12).
+THREAD_EFFICIENCY = 0.5
 #: Pool start assumed before one was measured, by start method (measured
 #: here with the default preload: spawn 0.6-1.2 s, forkserver 0.4-0.8 s).
 _START_GUESS_S = {"spawn": 1.0, "forkserver": 0.6, "fork": 0.1}
@@ -85,8 +90,11 @@ class GilWatch:
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._blocked = 0.0
         self._begin = 0.0
+        self._cpu_begin = 0.0
         #: Seconds the block took (set on exit).
         self.wall_s = 0.0
+        #: CPU seconds the watched thread used in it (set on exit).
+        self.cpu_s = 0.0
 
     def _watch(self) -> None:
         while not self._stop.is_set():
@@ -108,6 +116,7 @@ class GilWatch:
 
     def __enter__(self) -> GilWatch:
         self._begin = time.perf_counter()
+        self._cpu_begin = time.thread_time()
         self._thread.start()
         return self
 
@@ -118,11 +127,19 @@ class GilWatch:
         tb: TracebackType | None,
     ) -> None:
         self.wall_s = time.perf_counter() - self._begin
+        self.cpu_s = time.thread_time() - self._cpu_begin
         self._stop.set()
         self._thread.join()
 
 
-def weigh(seconds: float, held: float, rest: int, cores: int, start_s: float) -> Choice:
+def weigh(
+    seconds: float,
+    held: float,
+    rest: int,
+    cores: int,
+    start_s: float,
+    cpu: float = 1.0,
+) -> Choice:
     """Pick the cheaper executor for ``rest`` streams like the measured one.
 
     Args:
@@ -131,19 +148,22 @@ def weigh(seconds: float, held: float, rest: int, cores: int, start_s: float) ->
         rest: Streams still to run.
         cores: Cores available.
         start_s: Seconds to start the pool first (0 when it runs).
+        cpu: Its CPU share (the rest it waited: I/O, sleeps), in ``[0, 1]``.
 
     Returns:
         The choice, with the estimates in its reason.
     """
     k = max(1, min(cores, rest))
-    # Threads overlap what runs without the GIL; the held share is serial.
-    threads = rest * seconds * max(held, 1.0 / k)
+    # One thread per stream overlaps every wait; the CPU work runs on at
+    # most k * THREAD_EFFICIENCY cores, and its GIL-held share serially.
+    share = max(held, 1.0 / max(1.0, k * THREAD_EFFICIENCY))
+    threads = max(seconds, rest * seconds * cpu * share)
     processes = rest * (seconds / k + ROUND_TRIP_S) + start_s
     executor = "process" if processes < threads else "thread"
     return Choice(
         executor,
-        f"first stream took {seconds * 1e3:.1f} ms holding the GIL "
-        f"{held:.0%} of it: est. {threads * 1e3:.0f} ms on threads vs "
+        f"first stream took {seconds * 1e3:.1f} ms ({cpu:.0%} CPU) holding the "
+        f"GIL {held:.0%} of it: est. {threads * 1e3:.0f} ms on threads vs "
         f"{processes * 1e3:.0f} ms on processes",
     )
 
@@ -260,7 +280,10 @@ class AutoExecutor(PhaseExecutor):
         with limit_blas_while(cores), GilWatch() as watch:
             first = run_job(spec, jobs[0], remote=False)
         held = 0.0 if gil_hint(spec.fn) is False else watch.held
-        choice = weigh(watch.wall_s, held, len(jobs) - 1, cores, self._pool_start_s())
+        cpu = min(1.0, watch.cpu_s / watch.wall_s) if watch.wall_s > 0 else 1.0
+        choice = weigh(
+            watch.wall_s, held, len(jobs) - 1, cores, self._pool_start_s(), cpu
+        )
         if first.error is None:
             self._decisions[digest] = choice
         left = None if timeout is None else max(0.0, timeout - watch.wall_s)

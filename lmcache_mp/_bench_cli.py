@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Sequence
 
+from lmcache_mp._bench_compare import format_compare, references, run_compare
 from lmcache_mp._bench_config import (
     DEFAULT_KEEP,
     DROPPING_EDITS,
     SWEEPS,
     BenchConfig,
 )
+from lmcache_mp._bench_machine import machine_info
+from lmcache_mp._bench_peers import PEERS
 from lmcache_mp._bench_plot import require_matplotlib
+from lmcache_mp._paths import atomic_write_text
 from lmcache_mp.bench import run_bench
 from lmcache_mp.edits import EDITS
 from lmcache_mp.engine._config import KV_DTYPES
 from lmcache_mp.errors import KVConfigError, LMCacheError
-from lmcache_mp.executors import EXECUTOR_NAMES
+from lmcache_mp.executors import EXECUTOR_NAMES, physical_cores
 
 __all__ = ["add_bench_parser", "config_from_args", "run_bench_command"]
 
@@ -160,6 +165,14 @@ def add_bench_parser(
         help="a scaling curve: workers 1..cores; streams or prompt-tokens "
         "doubling up to their value",
     )
+    out.add_argument(
+        "--compare",
+        type=_names("peer", PEERS),
+        default=None,
+        metavar="PEERS",
+        help=f"modify only, against peers, comma-separated, from {', '.join(PEERS)}"
+        " (needs the 'compare' extra; a peer not installed is listed as not run)",
+    )
     out.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     out.add_argument(
         "--plot", metavar="PATH", help="draw a PNG (needs the 'plot' extra)"
@@ -252,6 +265,8 @@ def run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
         The exit status: 0, or 1 when a phase failed.
     """
     config = config_from_args(parser, args)
+    if args.compare is not None:
+        return _run_compare(config, args.compare, args.json)
     try:
         result = run_bench(config)
     except LMCacheError as exc:
@@ -264,4 +279,26 @@ def run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
     if args.plot is not None:
         result.write_plot(args.plot)
         print(f"plot written to {args.plot}")
+    return 0
+
+
+def _run_compare(config: BenchConfig, peers: Sequence[str], path: str | None) -> int:
+    refs = references()
+    workers = config.workers or min(physical_cores(), config.streams)
+    try:
+        points = run_compare(config, peers, workers)
+    except LMCacheError as exc:
+        print(f"lmcache-mp bench: error: {exc}", file=sys.stderr)
+        return 1
+    print(format_compare(config, points, refs))
+    if path is not None:
+        data = {
+            "schema": "lmcache-mp-compare/1",
+            "config": config.to_dict(),
+            "machine": machine_info(config.start_method),
+            "references": refs,
+            "points": points,
+        }
+        atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+        print(f"\nJSON written to {path}")
     return 0

@@ -110,20 +110,22 @@ def test_gil_watch_stops_its_thread() -> None:
 
 
 @pytest.mark.parametrize(
-    ("seconds", "held", "start_s", "expected"),
+    ("seconds", "held", "cpu", "start_s", "expected"),
     [
-        (0.5, 1.0, 0.0, "process"),  # GIL-bound, pool running
-        (0.5, 1.0, 1.0, "process"),  # GIL-bound and long enough to start one
-        (0.002, 1.0, 1.0, "thread"),  # GIL-bound but cheap: not worth a start
-        (0.05, 0.0, 0.0, "thread"),  # releases the GIL: threads use the cores
-        (0.0001, 1.0, 0.0, "thread"),  # the round trip costs more than the work
+        (0.5, 1.0, 1.0, 0.0, "process"),  # GIL-bound, pool running
+        (0.5, 1.0, 1.0, 1.0, "process"),  # GIL-bound and long enough to start one
+        (0.002, 1.0, 1.0, 1.0, "thread"),  # GIL-bound but cheap: not worth a start
+        (0.05, 0.0, 1.0, 1.0, "thread"),  # releases the GIL; a start costs more
+        (0.05, 0.0, 0.0, 0.0, "thread"),  # waits (I/O): threads overlap them all
+        (0.0001, 1.0, 1.0, 0.0, "thread"),  # the round trip costs more than work
     ],
 )
 def test_weigh_picks_the_cheaper_executor(
-    seconds: float, held: float, start_s: float, expected: str
+    seconds: float, held: float, cpu: float, start_s: float, expected: str
 ) -> None:
-    """The cost model: serial held share on threads vs round trips and start."""
-    choice = weigh(seconds, held, rest=7, cores=2, start_s=start_s)
+    """The cost model: threads overlap waits but run held CPU work serially;
+    processes pay a round trip per stream and the pool start."""
+    choice = weigh(seconds, held, rest=7, cores=2, start_s=start_s, cpu=cpu)
     assert choice.executor == expected
     assert f"{held:.0%}" in choice.reason
 

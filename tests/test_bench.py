@@ -14,9 +14,11 @@ from typing import Any
 import psutil
 import pytest
 
+import lmcache_mp._bench_peers
 import lmcache_mp.bench as bench_mod
 from lmcache_mp.__main__ import build_parser, main
 from lmcache_mp._bench_cli import config_from_args
+from lmcache_mp._bench_compare import format_compare, references, run_compare
 from lmcache_mp._bench_figures import BASIS_PER_STREAM, BASIS_SERIAL, point_figures
 from lmcache_mp._bench_monitor import PeakMemory, ProgressLine
 from lmcache_mp._bench_run import PHASES, PhaseFigures, RunFigures
@@ -100,7 +102,10 @@ def test_each_flag_sets_its_field(flags: list[str], field: str, value: Any) -> N
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--executors", "gpu"], "unknown executor 'gpu' (choose from process, serial"),
+        (
+            ["--executors", "gpu"],
+            "unknown executor 'gpu' (choose from auto, process, serial",
+        ),
         (["--executors", "thread,thread"], "named twice"),
         (["--edit", "prune"], "unknown edit 'prune' (choose from identity, pyscore"),
         (["--streams", "0"], "--streams: expected an integer >= 1, got 0"),
@@ -428,3 +433,53 @@ def test_header_warns_when_threads_cannot_cap_blas() -> None:
     assert "lmcache-mp[blas]" not in format_header(
         {"config": config, "machine": machine}
     )
+
+
+# --- bench --compare (issue #12) ---------------------------------------------
+
+
+def _tiny_compare_config() -> BenchConfig:
+    return BenchConfig(
+        executors=("serial", "thread"),
+        streams=2,
+        prompt_tokens=64,
+        layers=2,
+        chunk_size=16,
+        edits=("stride",),
+        repeat=2,
+    )
+
+
+def test_compare_ranks_every_runner_on_the_same_edit() -> None:
+    """Each executor gets a row with its repeats; the fastest is 1.0x and
+    every runner's edited tokens agree."""
+    (point,) = run_compare(_tiny_compare_config(), (), workers=1)
+    runners = [row["runner"] for row in point["rows"]]
+    assert sorted(runners) == ["lmcache_mp serial", "lmcache_mp thread"]
+    assert point["rows"][0]["x_fastest"] == 1.0
+    assert all(len(row["wall_s"]["values"]) == 2 for row in point["rows"])
+    assert point["outputs_agree"]
+
+
+def test_compare_lists_a_missing_peer_as_not_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer whose package cannot be imported is named with the extra to
+    install; the other runners still run."""
+
+    def missing(name: str) -> None:
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(lmcache_mp._bench_peers.importlib, "import_module", missing)
+    (point,) = run_compare(_tiny_compare_config(), ("loky",), workers=1)
+    assert "lmcache-mp[compare]" in point["unavailable"]["loky"]
+    assert len(point["rows"]) == 2
+
+
+def test_compare_table_shows_runners_and_references() -> None:
+    """The text names each runner once and the measured memcpy/pickle speeds."""
+    config = _tiny_compare_config()
+    refs = references()
+    text = format_compare(config, run_compare(config, (), workers=1), refs)
+    assert text.count("lmcache_mp serial") == 1
+    assert f"memcpy {refs['memcpy_gb_s']:.1f} GB/s" in text

@@ -1,0 +1,281 @@
+"""``lmcache-mp bench --compare``: one modify, lmcache_mp against its peers.
+
+Every runner edits the same streams' KV (``streams`` x ``[2, layers,
+prompt_tokens, width]``, random values from ``seed``) in a fresh embedded
+store per repeat, so every repeat writes its chunks anew; only the modify
+call is timed (pools and runtimes start before). The runners are
+lmcache_mp's executors and the peers of :mod:`lmcache_mp._bench_peers`,
+one after the other, each with the machine to itself (issue #12).
+"""
+
+from __future__ import annotations
+
+import pickle
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+from tabulate import tabulate
+
+from lmcache_mp._auto import AutoExecutor
+from lmcache_mp._bench_config import BenchConfig
+from lmcache_mp._bench_monitor import PeakMemory
+from lmcache_mp._bench_peers import Item, PeerUnavailable, make_peer
+from lmcache_mp._pool import ProcessExecutor
+from lmcache_mp._records import StreamState
+from lmcache_mp.batch import LMCacheBatchedStream
+from lmcache_mp.edits import Edit
+from lmcache_mp.kv import SharedMemoryKVStore, connect
+from lmcache_mp.stream import LMCacheStream, TokenEvent, create_request
+
+__all__ = ["format_compare", "references", "run_compare"]
+
+_REF_BYTES = 64 * 2**20
+
+
+def references() -> dict[str, float]:
+    """Measure this machine's memcpy and pickle speeds (GB/s, best of 3).
+
+    Returns:
+        ``memcpy_gb_s`` (a 64 MiB copy) and ``pickle_gb_s`` (a 64 MiB
+        array pickled and unpickled: one trip through a pipe's encoding).
+    """
+    src = np.ones(_REF_BYTES, np.uint8)
+    dst = np.empty_like(src)
+
+    def best(fn: Any) -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return _REF_BYTES / min(times) / 1e9
+
+    return {
+        "memcpy_gb_s": best(lambda: np.copyto(dst, src)),
+        "pickle_gb_s": best(
+            lambda: pickle.loads(pickle.dumps(src, protocol=pickle.HIGHEST_PROTOCOL))
+        ),
+    }
+
+
+def _fill(config: BenchConfig) -> tuple[SharedMemoryKVStore, list[list[int]]]:
+    """A fresh store holding every stream's KV."""
+    store = connect(
+        chunk_size=config.chunk_size,
+        layers=config.layers,
+        width=config.width,
+        dtype=config.dtype,
+        capacity_bytes=8 * config.streams * _kv_bytes(config) + 2**20,
+    )
+    rng = np.random.default_rng(config.seed)
+    prompts = config.prompts()
+    shape = (2, config.layers, config.prompt_tokens, config.width)
+    for prompt in prompts:
+        store.store(rng.standard_normal(shape, np.float32).astype(config.dtype), prompt)
+    return store, prompts
+
+
+def _kv_bytes(config: BenchConfig) -> int:
+    itemsize = np.dtype(config.dtype).itemsize
+    return 2 * config.layers * config.prompt_tokens * config.width * itemsize
+
+
+def _no_engine(
+    prompt_token_ids: list[int], sampling_params: dict[str, Any], cache_salt: str
+) -> Iterable[TokenEvent]:
+    raise RuntimeError("the compare bench runs no engine")
+
+
+def _lmcache_mp(config: BenchConfig, name: str, edit: Edit) -> dict[str, Any]:
+    """Time one lmcache_mp executor's modify over ``repeat`` fresh stores."""
+    walls, outputs, pickled, chosen = [], [], [], ""
+    with (
+        LMCacheBatchedStream(
+            name,
+            max_workers=config.workers,
+            mp_context=config.start_method,
+            preload=("lmcache_mp.edits",),
+        ) as batch,
+        PeakMemory() as memory,
+    ):
+        executor = batch.executor
+        pool = executor.process if isinstance(executor, AutoExecutor) else executor
+        if isinstance(pool, ProcessExecutor):
+            pool.start(config.streams)
+        streams: list[LMCacheStream] = []
+        for _ in range(config.repeat):
+            store, prompts = _fill(config)
+            try:
+                if not streams:
+                    streams = [create_request(store, _no_engine, p) for p in prompts]
+                    for stream in streams:
+                        batch.add(stream)
+                for stream, prompt in zip(streams, prompts, strict=True):
+                    stream.ctx, stream.state = store, StreamState(tokens=list(prompt))
+                start = time.perf_counter()
+                report = batch.modify(edit).to_dict()["metrics"]
+                walls.append(time.perf_counter() - start)
+            finally:
+                store.destroy()
+            transport = report.get("transport", {})
+            pickled.append(
+                transport.get("pickled_bytes_sent", 0)
+                + transport.get("pickled_bytes_received", 0)
+            )
+            chosen = report["config"].get("executor_chosen", "")
+            outputs = [s.tokens for s in streams]
+        workers = batch.executor.workers if name != "thread" else config.streams
+        peak = memory.reset()
+    label = f"lmcache_mp {name}" + (f" -> {chosen}" if chosen else "")
+    return _row(label, workers, walls, outputs, peak, statistics.median(pickled))
+
+
+def _peer(config: BenchConfig, name: str, edit: Edit, workers: int) -> dict[str, Any]:
+    """Time one peer's modify over ``repeat`` fresh stores."""
+    peer = make_peer(name, workers)
+    walls, outputs = [], []
+    with PeakMemory() as memory:
+        peer.start()
+        try:
+            for _ in range(config.repeat):
+                store, prompts = _fill(config)
+                items: list[Item] = [(p, "") for p in prompts]
+                try:
+                    start = time.perf_counter()
+                    outputs = peer.modify(store, items, edit)
+                    walls.append(time.perf_counter() - start)
+                finally:
+                    store.destroy()
+        finally:
+            peer.close()
+        peak = memory.reset()
+    # loky and Ray pickle each KV in and each edited KV out.
+    kv_pickled = 0 if name == "upstream" else None
+    return _row(name, workers, walls, outputs, peak, kv_pickled)
+
+
+def _row(
+    runner: str,
+    workers: int,
+    walls: list[float],
+    outputs: list[list[int]],
+    peak: int,
+    pickled: float | None,
+) -> dict[str, Any]:
+    return {
+        "runner": runner,
+        "workers": workers,
+        "wall_s": {
+            "median": statistics.median(walls),
+            "min": min(walls),
+            "max": max(walls),
+            "values": walls,
+        },
+        "pickled_bytes": pickled,
+        "peak_rss_bytes": peak,
+        "outputs": outputs,
+    }
+
+
+def run_compare(
+    config: BenchConfig, peers: Sequence[str], workers: int
+) -> list[dict[str, Any]]:
+    """Run every edit of ``config`` on lmcache_mp's executors and the peers.
+
+    Args:
+        config: Sizes, edits, executors, repeats.
+        peers: Peer names (:data:`~lmcache_mp._bench_peers.PEERS`).
+        workers: Worker processes the peers get (lmcache_mp's own default
+            is the same: physical cores, at most the streams).
+
+    Returns:
+        One JSON-ready dict per edit: ``edit``, ``rows`` (one per runner,
+        fastest first, with ``x_fastest`` and ``x_thread``),
+        ``outputs_agree`` and ``unavailable`` (peer -> why).
+    """
+    points = []
+    for name in config.edits:
+        edit = config.edit(name)
+        rows = [_lmcache_mp(config, ex, edit) for ex in config.executors]
+        unavailable = {}
+        for peer in peers:
+            try:
+                rows.append(_peer(config, peer, edit, workers))
+            except PeerUnavailable as exc:
+                unavailable[peer] = str(exc)
+        outputs = [row.pop("outputs") for row in rows]
+        fastest = min(row["wall_s"]["median"] for row in rows)
+        thread = next(
+            (r["wall_s"]["median"] for r in rows if r["runner"] == "lmcache_mp thread"),
+            None,
+        )
+        for row in rows:
+            wall = row["wall_s"]["median"]
+            row["x_fastest"] = wall / fastest
+            row["x_thread"] = None if thread is None else thread / wall
+        rows.sort(key=lambda r: float(r["wall_s"]["median"]))
+        points.append(
+            {
+                "edit": name,
+                "rows": rows,
+                "outputs_agree": all(o == outputs[0] for o in outputs),
+                "unavailable": unavailable,
+            }
+        )
+    return points
+
+
+def format_compare(
+    config: BenchConfig, points: list[dict[str, Any]], refs: dict[str, float]
+) -> str:
+    """The comparison as text: one table per edit, then the references."""
+    mib = _kv_bytes(config) / 2**20
+    parts = [
+        f"modify only: {config.streams} streams x KV [2, {config.layers}, "
+        f"{config.prompt_tokens}, {config.width}] {config.dtype} ({mib:.0f} MiB "
+        f"each), median of {config.repeat}, pool/runtime start excluded; "
+        f"memcpy {refs['memcpy_gb_s']:.1f} GB/s, pickle {refs['pickle_gb_s']:.1f} GB/s"
+    ]
+    for point in points:
+        table = [
+            [
+                row["runner"],
+                row["workers"],
+                f"{row['wall_s']['median']:.3f}",
+                f"{row['wall_s']['min']:.3f}-{row['wall_s']['max']:.3f}",
+                f"{row['wall_s']['median'] / config.streams * 1e3:.1f}",
+                f"{row['x_fastest']:.2f}",
+                "-" if row["x_thread"] is None else f"{row['x_thread']:.2f}x",
+                _kib_per_stream(row["pickled_bytes"], config.streams, mib),
+                f"{row['peak_rss_bytes'] / 2**20:.0f} MiB",
+            ]
+            for row in point["rows"]
+        ]
+        headers = [
+            "runner",
+            "workers",
+            "wall s",
+            "min-max",
+            "ms/stream",
+            "/ fastest",
+            "x thread",
+            "pickled/stream",
+            "peak RSS",
+        ]
+        lines = [f"edit {point['edit']}", tabulate(table, headers=headers)]
+        if not point["outputs_agree"]:
+            lines.append("WARNING: the runners' edited tokens differ")
+        lines += [
+            f"  not run: {peer}: {why}" for peer, why in point["unavailable"].items()
+        ]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def _kib_per_stream(pickled: float | None, streams: int, kv_mib: float) -> str:
+    if pickled is None:
+        return f"~{2 * kv_mib:.0f} MiB (KV)"
+    return f"{pickled / streams / 1024:.1f} KiB"
