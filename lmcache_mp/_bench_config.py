@@ -34,6 +34,9 @@ DEFAULT_KEEP = 0.5
 _WINDOW_SINKS = 4
 #: Most tokens a scored drop protects at each end (the edits' default).
 _MAX_PROTECTED = 256
+#: Passes of the pyscore loop: ~0.4 s per 1,024-token stream on one core
+#: here, the size of issue #12's GIL-bound row.
+_PYSCORE_WORK = 96
 #: Smallest prompt a ``prompt-tokens`` sweep starts from.
 _SWEEP_MIN_PROMPT = 256
 
@@ -75,16 +78,19 @@ class BenchConfig:
         ValueError: If a field is out of range; the message names it.
     """
 
-    executors: tuple[str, ...] = ("thread", "process")
-    streams: int = 16
-    prompt_tokens: int = 4096
-    layers: int = 4
+    # Sized so that the default run spends its time in modify, the phase
+    # the library exists for (issue #12): 8 MiB of KV per stream, the
+    # GIL-bound edit, a short decode.
+    executors: tuple[str, ...] = ("thread", "process", "auto")
+    streams: int = 8
+    prompt_tokens: int = 1024
+    layers: int = 8
     kv_heads: int = 4
     head_dim: int = 32
     dtype: str = "float32"
-    edits: tuple[str, ...] = ("random",)
+    edits: tuple[str, ...] = ("pyscore",)
     keep: float | None = None
-    max_tokens: int = 32
+    max_tokens: int = 16
     workers: int | None = None
     start_method: str = "spawn"
     repeat: int = 1
@@ -195,7 +201,9 @@ class BenchConfig:
         scored = {"keep": keep, "keep_first": ends, "keep_last": ends}
         if name == "random":
             return make_edit(name, seed=self.seed, **scored)
-        if name in ("pyscore", "redundancy"):
+        if name == "pyscore":
+            return make_edit(name, work=_PYSCORE_WORK, **scored)
+        if name == "redundancy":
             return make_edit(name, **scored)
         if name == "window":
             window = max(1, round(keep * self.prompt_tokens) - _WINDOW_SINKS)

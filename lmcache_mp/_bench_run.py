@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmcache_mp._auto import AutoExecutor
 from lmcache_mp._bench_config import BenchConfig
 from lmcache_mp._bench_monitor import PeakMemory, ProgressLine
 from lmcache_mp._pool import ProcessExecutor
@@ -102,7 +103,7 @@ def run_once(
 
     Args:
         config: The benchmark (one sweep point of it).
-        executor: ``"serial"``, ``"thread"`` or ``"process"``.
+        executor: ``"serial"``, ``"thread"``, ``"process"`` or ``"auto"``.
         edit: The modify fn.
         progress: Draw a progress line on stderr (``None``: when it is a
             TTY; ``False``: never).
@@ -157,9 +158,11 @@ def _run_phases(
     }
     with PeakMemory() as memory:
         start_s = 0.0
-        if isinstance(batch.executor, ProcessExecutor):
+        executor = batch.executor
+        pool = executor.process if isinstance(executor, AutoExecutor) else executor
+        if isinstance(pool, ProcessExecutor):
             with ProgressLine(f"[{name}] pool start", enabled=progress):
-                start_s = batch.executor.start(config.streams)
+                start_s = pool.start(config.streams)
         memory.reset()
         run = RunFigures(name, _workers(batch, config), start_s)
         for phase in PHASES:
