@@ -98,7 +98,7 @@ def test_gil_watch_sees_a_sleep_release_the_gil() -> None:
     """A sleep (C code without the GIL) holds it for almost none of its run."""
     with GilWatch() as watch:
         time.sleep(0.1)
-    assert watch.held < 0.2
+    assert watch.held < 0.3
 
 
 def test_gil_watch_stops_its_thread() -> None:

@@ -65,11 +65,12 @@ def all_executors() -> dict[str, Any]:
 
 def test_no_flags_runs_the_default_config() -> None:
     """``lmcache-mp bench`` with no flags runs BenchConfig's defaults:
-    thread and process, the random edit, no sweep, one repeat."""
+    thread, process and auto on the GIL-bound pyscore edit (issue #12: the
+    default run is about modify), no sweep, one repeat."""
     config = parse()
     assert config == BenchConfig()
-    assert config.executors == ("thread", "process")
-    assert config.edits == ("random",)
+    assert config.executors == ("thread", "process", "auto")
+    assert config.edits == ("pyscore",)
     assert (config.sweep, config.repeat, config.workers) == (None, 1, None)
 
 
