@@ -9,7 +9,12 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from lmcache_mp._bench_compare import format_compare, references, run_compare
+from lmcache_mp._bench_compare import (
+    format_compare,
+    pool_starts,
+    references,
+    run_compare,
+)
 from lmcache_mp._bench_config import (
     DEFAULT_KEEP,
     DROPPING_EDITS,
@@ -284,19 +289,21 @@ def run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 def _run_compare(config: BenchConfig, peers: Sequence[str], path: str | None) -> int:
     refs = references()
+    starts = pool_starts()
     workers = config.workers or min(physical_cores(), config.streams)
     try:
         points = run_compare(config, peers, workers)
     except LMCacheError as exc:
         print(f"lmcache-mp bench: error: {exc}", file=sys.stderr)
         return 1
-    print(format_compare(config, points, refs))
+    print(format_compare(config, points, refs, starts))
     if path is not None:
         data = {
             "schema": "lmcache-mp-compare/1",
             "config": config.to_dict(),
             "machine": machine_info(config.start_method),
             "references": refs,
+            "pool_starts": starts,
             "points": points,
         }
         atomic_write_text(path, json.dumps(data, indent=2) + "\n")

@@ -18,7 +18,12 @@ import lmcache_mp._bench_peers
 import lmcache_mp.bench as bench_mod
 from lmcache_mp.__main__ import build_parser, main
 from lmcache_mp._bench_cli import config_from_args
-from lmcache_mp._bench_compare import format_compare, references, run_compare
+from lmcache_mp._bench_compare import (
+    format_compare,
+    pool_starts,
+    references,
+    run_compare,
+)
 from lmcache_mp._bench_figures import BASIS_PER_STREAM, BASIS_SERIAL, point_figures
 from lmcache_mp._bench_monitor import PeakMemory, ProgressLine
 from lmcache_mp._bench_run import PHASES, PhaseFigures, RunFigures
@@ -475,6 +480,24 @@ def test_compare_lists_a_missing_peer_as_not_run(
     (point,) = run_compare(_tiny_compare_config(), ("loky",), workers=1)
     assert "lmcache-mp[compare]" in point["unavailable"]["loky"]
     assert len(point["rows"]) == 2
+
+
+def test_compare_runs_the_loky_peer_on_the_same_edit() -> None:
+    """loky's reusable executor edits the same streams (KV pickled) and
+    ends with the same tokens as lmcache_mp's executors."""
+    (point,) = run_compare(_tiny_compare_config(), ("loky",), workers=2)
+    rows = {row["runner"]: row for row in point["rows"]}
+    assert set(rows) == {"lmcache_mp serial", "lmcache_mp thread", "loky"}
+    assert rows["loky"]["workers"] == 2 and rows["loky"]["pickled_bytes"] is None
+    assert point["outputs_agree"] and not point["unavailable"]
+
+
+def test_forkserver_pool_starts_are_timed_twice() -> None:
+    """pool_starts times a first and a next forkserver pool, each started
+    and closed (the leak check sees no worker left)."""
+    starts = pool_starts()
+    assert set(starts) == {"first_s", "next_s"}
+    assert all(value > 0 for value in starts.values())
 
 
 def test_compare_table_shows_runners_and_references() -> None:
