@@ -175,9 +175,11 @@ def _peer(config: BenchConfig, name: str, edit: Edit, workers: int) -> dict[str,
         finally:
             peer.close()
         peak = memory.reset()
-    # loky and Ray pickle each KV in and each edited KV out.
-    kv_pickled = 0 if name == "upstream" else None
-    return _row(name, workers, walls, outputs, peak, kv_pickled)
+    # loky and Ray pickle each KV in and each edited KV out; upstream runs
+    # one thread per stream and pickles nothing.
+    if name == "upstream":
+        return _row(name, config.streams, walls, outputs, peak, 0)
+    return _row(name, workers, walls, outputs, peak, None)
 
 
 def _row(
