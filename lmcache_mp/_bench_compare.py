@@ -19,14 +19,14 @@ from typing import Any
 import numpy as np
 from tabulate import tabulate
 
-from lmcache_mp._auto import AutoExecutor
 from lmcache_mp._bench_config import BenchConfig
 from lmcache_mp._bench_monitor import PeakMemory
 from lmcache_mp._bench_peers import Item, PeerUnavailable, make_peer
-from lmcache_mp._pool import ProcessExecutor
 from lmcache_mp._records import StreamState
 from lmcache_mp.batch import LMCacheBatchedStream
 from lmcache_mp.edits import Edit
+from lmcache_mp.executors._auto import AutoExecutor
+from lmcache_mp.executors._process import ProcessExecutor
 from lmcache_mp.kv import SharedMemoryKVStore, connect
 from lmcache_mp.stream import LMCacheStream, TokenEvent, create_request
 

@@ -8,14 +8,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcache_mp._auto import AutoExecutor
 from lmcache_mp._bench_config import BenchConfig
 from lmcache_mp._bench_monitor import PeakMemory, ProgressLine
-from lmcache_mp._pool import ProcessExecutor
 from lmcache_mp.batch import LMCacheBatchedStream
 from lmcache_mp.edits import Edit
 from lmcache_mp.engine import EmbeddedEngine
 from lmcache_mp.executors import limit_blas_while, physical_cores
+from lmcache_mp.executors._auto import AutoExecutor
+from lmcache_mp.executors._process import ProcessExecutor
 from lmcache_mp.kv import connect
 from lmcache_mp.metrics import Metrics
 from lmcache_mp.stream import create_request

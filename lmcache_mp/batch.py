@@ -19,7 +19,6 @@ from types import TracebackType
 from typing import Any
 
 from lmcache_mp._commit import commit
-from lmcache_mp._factory import make_executor
 from lmcache_mp._memory import modify_bound
 from lmcache_mp._phase import build_phase
 from lmcache_mp._reports import ExecutorInfo, generate_report, modify_report
@@ -30,6 +29,7 @@ from lmcache_mp.executors import (
     PhaseExecutor,
     PhaseRun,
 )
+from lmcache_mp.executors._factory import make_executor
 from lmcache_mp.metrics import Metrics, get_formatter
 from lmcache_mp.stream import (
     LMCacheStream,

@@ -20,10 +20,10 @@ import pytest
 import lmcache_mp
 import lmcache_mp.batch as lmc_batch
 import lmcache_mp.stream as lmc_stream
-from lmcache_mp._auto import AutoExecutor, GilWatch, weigh
 from lmcache_mp._phase import PhaseSpec
 from lmcache_mp.edits import make_edit
 from lmcache_mp.engine import EmbeddedEngine
+from lmcache_mp.executors._auto import AutoExecutor, GilWatch, weigh
 from lmcache_mp.hints import gil_hint
 from lmcache_mp.kv import SharedMemoryKVStore
 from tests._fakes import FakeEngine

@@ -23,12 +23,12 @@ from hypothesis import strategies as st
 
 import lmcache_mp.batch as lmc_batch
 import lmcache_mp.stream as lmc_stream
-from lmcache_mp._pool import ProcessExecutor
 from lmcache_mp.errors import (
     CorruptChunkWarning,
     LMCacheBatchedStreamError,
     StreamInputError,
 )
+from lmcache_mp.executors._process import ProcessExecutor
 from lmcache_mp.kv import SharedMemoryKVStore
 from lmcache_mp.metrics import available_formats
 from tests._fakes import FakeEngine, InMemoryKV, kv_for

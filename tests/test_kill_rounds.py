@@ -44,12 +44,12 @@ import pytest
 
 import lmcache_mp.batch as lmc_batch
 import lmcache_mp.stream as lmc_stream
-from lmcache_mp._pool import ProcessExecutor
 from lmcache_mp.errors import (
     CorruptChunkWarning,
     LMCacheBatchedStreamError,
     TerminatedWorkerError,
 )
+from lmcache_mp.executors._process import ProcessExecutor
 from lmcache_mp.kv import SharedMemoryKVStore
 from lmcache_mp.stream import StreamState
 from tests._fakes import FakeEngine, kv_for

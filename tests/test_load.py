@@ -20,7 +20,7 @@ import pytest
 
 import lmcache_mp.batch as lmc_batch
 import lmcache_mp.stream as lmc_stream
-from lmcache_mp._pool import ProcessExecutor
+from lmcache_mp.executors._process import ProcessExecutor
 from lmcache_mp.kv import SharedMemoryKVStore, connect
 from lmcache_mp.stream import StreamState
 from tests._fakes import FakeEngine

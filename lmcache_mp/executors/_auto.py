@@ -31,15 +31,10 @@ from types import TracebackType
 import cloudpickle
 
 from lmcache_mp._phase import PhaseSpec, StreamJob
-from lmcache_mp._pool import ProcessExecutor
-from lmcache_mp._worker import run_job
-from lmcache_mp.executors import (
-    PhaseExecutor,
-    PhaseRun,
-    ThreadExecutor,
-    limit_blas_while,
-    physical_cores,
-)
+from lmcache_mp.executors._base import PhaseExecutor, PhaseRun, physical_cores
+from lmcache_mp.executors._process import ProcessExecutor
+from lmcache_mp.executors._thread import ThreadExecutor, limit_blas_while
+from lmcache_mp.executors._worker import run_job
 from lmcache_mp.hints import gil_hint
 
 __all__ = ["AutoExecutor", "Choice", "GilWatch", "weigh"]
@@ -190,7 +185,7 @@ class AutoExecutor(PhaseExecutor):
         blas_threads: BLAS threads per worker.
 
     Raises:
-        ValueError: As :class:`~lmcache_mp._pool.ProcessExecutor`.
+        ValueError: As :class:`~lmcache_mp.executors._process.ProcessExecutor`.
     """
 
     name = "auto"

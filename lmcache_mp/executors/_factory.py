@@ -5,14 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Executor
 
-from lmcache_mp._auto import AutoExecutor
-from lmcache_mp._pool import ForeignExecutor, ProcessExecutor
-from lmcache_mp.executors import (
-    EXECUTOR_NAMES,
-    PhaseExecutor,
-    SerialExecutor,
-    ThreadExecutor,
-)
+from lmcache_mp.executors._auto import AutoExecutor
+from lmcache_mp.executors._base import EXECUTOR_NAMES, PhaseExecutor
+from lmcache_mp.executors._foreign import ForeignExecutor
+from lmcache_mp.executors._process import ProcessExecutor
+from lmcache_mp.executors._serial import SerialExecutor
+from lmcache_mp.executors._thread import ThreadExecutor
 
 __all__ = ["make_executor"]
 

@@ -1,6 +1,6 @@
 """Shipping a phase to a ``concurrent.futures`` executor, shard by shard.
 
-The parent side of the data flow drawn in :mod:`lmcache_mp._pool`: the
+The parent side of the data flow drawn in :mod:`lmcache_mp.executors._process`: the
 phase spec goes to a private file once, the jobs go out a few per task, and
 one pickled outcome per job comes back. What a broken executor loses is
 handed to the subclass (rebuild and retry, or fail).
@@ -27,14 +27,14 @@ import cloudpickle
 
 from lmcache_mp._paths import private_tempdir, remove_tree
 from lmcache_mp._phase import PhaseSpec, StreamJob, StreamOutcome
-from lmcache_mp._worker import ShardTask, run_shard
 from lmcache_mp.errors import (
     LMCachePicklingError,
     LMCacheStreamError,
     RemoteTraceback,
     TerminatedWorkerError,
 )
-from lmcache_mp.executors import PhaseExecutor, PhaseRun, timeout_outcome
+from lmcache_mp.executors._base import PhaseExecutor, PhaseRun, timeout_outcome
+from lmcache_mp.executors._worker import ShardTask, run_shard
 
 __all__ = ["JOIN_TIMEOUT", "ShardExecutor", "fail_all", "pickle_spec"]
 

@@ -1,4 +1,4 @@
-"""Phases on worker processes: a persistent pool, or a caller's executor.
+"""Phases on worker processes: a persistent pool of them.
 
 Data flow of one phase (after CPython's ``concurrent/futures/process.py``)::
 
@@ -36,14 +36,14 @@ from concurrent.futures import Executor
 from concurrent.futures.process import BrokenProcessPool, ProcessPoolExecutor
 from multiprocessing.process import BaseProcess
 
-from lmcache_mp._dispatch import JOIN_TIMEOUT, ShardExecutor, fail_all
 from lmcache_mp._paths import remove_tree
 from lmcache_mp._phase import StreamJob, StreamOutcome
-from lmcache_mp._worker import BLAS_ENV_VARS, initialize
 from lmcache_mp.errors import TerminatedWorkerError
-from lmcache_mp.executors import PhaseRun, physical_cores
+from lmcache_mp.executors._base import PhaseRun, physical_cores
+from lmcache_mp.executors._dispatch import JOIN_TIMEOUT, ShardExecutor
+from lmcache_mp.executors._worker import BLAS_ENV_VARS, initialize
 
-__all__ = ["ForeignExecutor", "ProcessExecutor"]
+__all__ = ["ProcessExecutor", "describe_exit"]
 
 _SIGNAL_CAUSES = {
     signal.SIGKILL: "killed by another process or by the kernel's out-of-memory killer",
@@ -171,7 +171,7 @@ class ProcessExecutor(ShardExecutor):
         blas = self._blas_threads or max(1, physical_cores() // n)
         ctx = multiprocessing.get_context(self._mp_context)
         if self._mp_context == "forkserver":
-            ctx.set_forkserver_preload(["lmcache_mp._worker", *self._preload])
+            ctx.set_forkserver_preload(["lmcache_mp.executors._worker", *self._preload])
         pool = ProcessPoolExecutor(
             max_workers=n,
             mp_context=ctx,
@@ -272,47 +272,5 @@ class ProcessExecutor(ShardExecutor):
     def close(self) -> None:
         """Stop the workers and remove the pool's files; safe to call twice."""
         self._discard(kill=False)
-        remove_tree(self._dir)
-        self._dir = None
-
-
-class ForeignExecutor(ShardExecutor):
-    """Runs phases on a ``concurrent.futures.Executor`` the caller owns.
-
-    The executor is not shut down by :meth:`close`. It must run tasks on
-    this machine (the KV store and the phase file are local). A broken
-    executor cannot be rebuilt here: the streams it lost fail.
-
-    Args:
-        executor: The caller's executor.
-    """
-
-    name = "custom"
-
-    def __init__(self, executor: Executor) -> None:
-        super().__init__()
-        self._foreign = executor
-        self.name = type(executor).__name__
-
-    @property
-    def workers(self) -> int:
-        """The executor's ``_max_workers`` when it has one, else 0."""
-        return int(getattr(self._foreign, "_max_workers", 0) or 0)
-
-    def _executor(self, n_jobs: int, result: PhaseRun) -> Executor:
-        return self._foreign
-
-    def _after_break(
-        self, jobs: list[StreamJob], lost: list[int], marker_dir: str, result: PhaseRun
-    ) -> list[int]:
-        error = TerminatedWorkerError(
-            f"the caller's executor {self._foreign!r} broke (a worker died); "
-            "lmcache_mp cannot rebuild an executor it does not own"
-        )
-        fail_all(result, jobs, lost, error)
-        return []
-
-    def close(self) -> None:
-        """Remove the phase files; the caller's executor is left running."""
         remove_tree(self._dir)
         self._dir = None

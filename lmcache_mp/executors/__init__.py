@@ -1,0 +1,29 @@
+"""How a phase is run: serially, on threads, on a process pool, or auto.
+
+The batch picks an executor by name (``"auto"``, ``"serial"``,
+``"thread"``, ``"process"``) or wraps a caller-owned
+:class:`concurrent.futures.Executor`. One module per engine, over one
+worker boundary (:mod:`lmcache_mp.executors._worker` and the plain
+dataclasses of :mod:`lmcache_mp._phase`).
+"""
+
+from lmcache_mp.executors._base import (
+    EXECUTOR_NAMES,
+    PhaseExecutor,
+    PhaseRun,
+    physical_cores,
+    timeout_outcome,
+)
+from lmcache_mp.executors._serial import SerialExecutor
+from lmcache_mp.executors._thread import ThreadExecutor, limit_blas_while
+
+__all__ = [
+    "EXECUTOR_NAMES",
+    "PhaseExecutor",
+    "PhaseRun",
+    "SerialExecutor",
+    "ThreadExecutor",
+    "limit_blas_while",
+    "physical_cores",
+    "timeout_outcome",
+]

@@ -1,0 +1,121 @@
+"""What every executor shares: the phase executor interface and its result.
+
+Every executor takes the same input (a :class:`~lmcache_mp._phase.PhaseSpec`
+and one job per stream) and returns one outcome per stream; the batch
+commits the successful ones.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from lmcache_mp._phase import PhaseSpec, StreamJob, StreamOutcome
+from lmcache_mp.errors import PhaseTimeoutError
+
+__all__ = [
+    "EXECUTOR_NAMES",
+    "PhaseExecutor",
+    "PhaseRun",
+    "physical_cores",
+    "timeout_outcome",
+]
+
+#: The executor names ``LMCacheBatchedStream(executor=...)`` accepts.
+EXECUTOR_NAMES = ("auto", "process", "serial", "thread")
+
+
+def physical_cores() -> int:
+    """Return the number of physical cores (logical ones if unknown)."""
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+@dataclass
+class PhaseRun:
+    """What running one phase produced.
+
+    Args:
+        outcomes: Stream id to its outcome, for every job.
+        bytes_sent: Bytes pickled from the parent to workers.
+        bytes_received: Bytes pickled from workers back to the parent.
+        pool_start_s: Seconds spent starting worker processes in this phase.
+        pool_rebuilds: Times the pool was rebuilt after a worker died.
+        executor: The executor ``"auto"`` chose (``""`` for the others).
+        reason: Why it chose it.
+        workers: Workers or threads the chosen executor ran (``"auto"``).
+    """
+
+    outcomes: dict[str, StreamOutcome] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    pool_start_s: float = 0.0
+    pool_rebuilds: int = 0
+    executor: str = ""
+    reason: str = ""
+    workers: int = 0
+
+
+def timeout_outcome(job: StreamJob, timeout: float | None) -> StreamOutcome:
+    """The outcome of a stream still unfinished when the phase timed out."""
+    error = PhaseTimeoutError(
+        f"stream {job.stream_id}: unfinished when the phase timeout of "
+        f"{timeout:g}s ran out; it keeps its previous state"
+    )
+    return StreamOutcome(job.stream_id, error=error)
+
+
+class PhaseExecutor(abc.ABC):
+    """Runs the jobs of a phase and returns one outcome per stream."""
+
+    #: Short name shown in reports.
+    name: str = ""
+
+    @property
+    @abc.abstractmethod
+    def workers(self) -> int:
+        """How many streams can run at once (0 when unbounded/unknown)."""
+
+    @abc.abstractmethod
+    def run(
+        self,
+        spec: PhaseSpec,
+        jobs: list[StreamJob],
+        *,
+        timeout: float | None = None,
+        max_in_flight: int | None = None,
+    ) -> PhaseRun:
+        """Run every job of a phase.
+
+        Args:
+            spec: The phase.
+            jobs: One job per stream; each holds a copy of the state.
+            timeout: Seconds after which unfinished streams fail with
+                :class:`~lmcache_mp.errors.PhaseTimeoutError`.
+            max_in_flight: For modify phases, how many streams may hold
+                their KV in memory at once (``None``: no extra bound).
+
+        Returns:
+            The outcomes and transport figures.
+
+        Raises:
+            LMCachePicklingError: If the phase cannot be shipped to workers.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what the executor holds; safe to call twice."""
+
+    def __enter__(self) -> PhaseExecutor:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
