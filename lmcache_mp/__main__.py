@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from lmcache_mp._bench_cli import add_bench_parser, run_bench_command
+from lmcache_mp.bench._cli import add_bench_parser, run_bench_command
 
 __all__ = ["build_parser", "main"]
 

@@ -14,20 +14,20 @@ from typing import Any
 import psutil
 import pytest
 
-import lmcache_mp._bench_peers
-import lmcache_mp.bench as bench_mod
+import lmcache_mp.bench._peers
+import lmcache_mp.bench._result as bench_result
 from lmcache_mp.__main__ import build_parser, main
-from lmcache_mp._bench_cli import config_from_args
-from lmcache_mp._bench_compare import (
+from lmcache_mp.bench import SCHEMA, BenchConfig, BenchResult, run_bench
+from lmcache_mp.bench._cli import config_from_args
+from lmcache_mp.bench._compare import (
     format_compare,
     pool_starts,
     references,
     run_compare,
 )
-from lmcache_mp._bench_figures import BASIS_PER_STREAM, BASIS_SERIAL, point_figures
-from lmcache_mp._bench_monitor import PeakMemory, ProgressLine
-from lmcache_mp._bench_run import PHASES, PhaseFigures, RunFigures
-from lmcache_mp.bench import SCHEMA, BenchConfig, BenchResult, run_bench
+from lmcache_mp.bench._figures import BASIS_PER_STREAM, BASIS_SERIAL, point_figures
+from lmcache_mp.bench._monitor import PeakMemory, ProgressLine
+from lmcache_mp.bench._run import PHASES, PhaseFigures, RunFigures
 
 ROOT = Path(__file__).resolve().parents[1]
 #: A model and batch small enough that a whole run takes well under a second.
@@ -286,7 +286,7 @@ def test_sweep_workers_has_one_point_per_worker_count(
 ) -> None:
     """``--sweep workers`` runs 1, 2, ... up to the cores, one point each,
     and the plot draws its speedup curve."""
-    monkeypatch.setattr(bench_mod, "usable_cores", lambda: 3)
+    monkeypatch.setattr(bench_result, "usable_cores", lambda: 3)
     config = BenchConfig(executors=("serial", "thread"), sweep="workers", **TINY)
     result = run_bench(config, progress=False)
     data = result.to_dict()
@@ -408,7 +408,7 @@ def test_result_round_trips_through_json(tmp_path: Path) -> None:
 
 def test_header_warns_when_threads_cannot_cap_blas() -> None:
     """Without threadpoolctl (machine.blas is null) the header says the thread baseline is oversubscribed."""
-    from lmcache_mp._bench_table import format_header
+    from lmcache_mp.bench._table import format_header
 
     config = {
         "streams": 2,
@@ -476,7 +476,7 @@ def test_compare_lists_a_missing_peer_as_not_run(
     def missing(name: str) -> None:
         raise ImportError(f"No module named {name!r}")
 
-    monkeypatch.setattr(lmcache_mp._bench_peers.importlib, "import_module", missing)
+    monkeypatch.setattr(lmcache_mp.bench._peers.importlib, "import_module", missing)
     (point,) = run_compare(_tiny_compare_config(), ("loky",), workers=1)
     assert "lmcache-mp[compare]" in point["unavailable"]["loky"]
     assert len(point["rows"]) == 2

@@ -9,8 +9,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from lmcache_mp._bench_config import BenchConfig
-from lmcache_mp._bench_run import PHASES, PhaseFigures, RunFigures
+from lmcache_mp.bench._config import BenchConfig
+from lmcache_mp.bench._run import PHASES, PhaseFigures, RunFigures
 
 __all__ = ["BASIS_PER_STREAM", "BASIS_SERIAL", "point_figures", "stats"]
 

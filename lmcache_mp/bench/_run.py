@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcache_mp._bench_config import BenchConfig
-from lmcache_mp._bench_monitor import PeakMemory, ProgressLine
 from lmcache_mp.batch import LMCacheBatchedStream
+from lmcache_mp.bench._config import BenchConfig
+from lmcache_mp.bench._monitor import PeakMemory, ProgressLine
 from lmcache_mp.edits import Edit
 from lmcache_mp.engine import EmbeddedEngine
 from lmcache_mp.executors import limit_blas_while, physical_cores

@@ -9,23 +9,23 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from lmcache_mp._bench_compare import (
+from lmcache_mp._paths import atomic_write_text
+from lmcache_mp.bench._compare import (
     format_compare,
     pool_starts,
     references,
     run_compare,
 )
-from lmcache_mp._bench_config import (
+from lmcache_mp.bench._config import (
     DEFAULT_KEEP,
     DROPPING_EDITS,
     SWEEPS,
     BenchConfig,
 )
-from lmcache_mp._bench_machine import machine_info
-from lmcache_mp._bench_peers import PEERS
-from lmcache_mp._bench_plot import require_matplotlib
-from lmcache_mp._paths import atomic_write_text
-from lmcache_mp.bench import run_bench
+from lmcache_mp.bench._machine import machine_info
+from lmcache_mp.bench._peers import PEERS
+from lmcache_mp.bench._plot import require_matplotlib
+from lmcache_mp.bench._result import run_bench
 from lmcache_mp.edits import EDITS
 from lmcache_mp.engine._config import KV_DTYPES
 from lmcache_mp.errors import KVConfigError, LMCacheError

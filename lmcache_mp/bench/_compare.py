@@ -4,7 +4,7 @@ Every runner edits the same streams' KV (``streams`` x ``[2, layers,
 prompt_tokens, width]``, random values from ``seed``) in a fresh embedded
 store per repeat, so every repeat writes its chunks anew; only the modify
 call is timed (pools and runtimes start before). The runners are
-lmcache_mp's executors and the peers of :mod:`lmcache_mp._bench_peers`,
+lmcache_mp's executors and the peers of :mod:`lmcache_mp.bench._peers`,
 one after the other, each with the machine to itself (issue #12).
 """
 
@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 from tabulate import tabulate
 
-from lmcache_mp._bench_config import BenchConfig
-from lmcache_mp._bench_monitor import PeakMemory
-from lmcache_mp._bench_peers import Item, PeerUnavailable, make_peer
 from lmcache_mp._records import StreamState
 from lmcache_mp.batch import LMCacheBatchedStream
+from lmcache_mp.bench._config import BenchConfig
+from lmcache_mp.bench._monitor import PeakMemory
+from lmcache_mp.bench._peers import Item, PeerUnavailable, make_peer
 from lmcache_mp.edits import Edit
 from lmcache_mp.executors._auto import AutoExecutor
 from lmcache_mp.executors._process import ProcessExecutor
@@ -212,7 +212,7 @@ def run_compare(
 
     Args:
         config: Sizes, edits, executors, repeats.
-        peers: Peer names (:data:`~lmcache_mp._bench_peers.PEERS`).
+        peers: Peer names (:data:`~lmcache_mp.bench._peers.PEERS`).
         workers: Worker processes the peers get (lmcache_mp's own default
             is the same: physical cores, at most the streams).
 

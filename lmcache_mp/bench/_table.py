@@ -7,8 +7,8 @@ from typing import Any
 
 from tabulate import tabulate
 
-from lmcache_mp._bench_config import DROPPING_EDITS
-from lmcache_mp._bench_figures import BASIS_SERIAL
+from lmcache_mp.bench._config import DROPPING_EDITS
+from lmcache_mp.bench._figures import BASIS_SERIAL
 
 __all__ = ["format_header", "format_point"]
 
