@@ -2,7 +2,7 @@
 
 prefill -> modify (``make_edit("random", keep=0.5, ...)``) -> decode, with the
 process executor, where every request goes over HTTP to
-``POST /v1/completions`` through :func:`lmcache_mp.engine.openai.post_completion`.
+``POST /v1/completions`` through :func:`lmcache_mp.engine.http.openai.post_completion`.
 
 By default the example starts ``lmcache-mp serve --port 0 --store
 shm:///<name>`` itself and opens the same named store as the batch's KV
@@ -38,7 +38,7 @@ import numpy as np
 import lmcache_mp.batch as lmc_batch
 import lmcache_mp.stream as lmc_stream
 from lmcache_mp.edits import make_edit
-from lmcache_mp.engine.openai import post_completion
+from lmcache_mp.engine.http.openai import post_completion
 from lmcache_mp.kv import connect
 
 STARTUP_TIMEOUT = 60.0
@@ -78,7 +78,7 @@ def start_server(store: str, chunk_size: int) -> tuple[subprocess.Popen[str], st
         [
             sys.executable,
             "-m",
-            "lmcache_mp.engine.server",
+            "lmcache_mp.engine.http.server",
             "--port",
             "0",
             "--store",

@@ -2,7 +2,7 @@
 
 ``lmcache-mp bench`` compares the executors (see :mod:`lmcache_mp.bench`);
 ``lmcache-mp serve`` runs the embedded engine behind an OpenAI-compatible
-HTTP server (see :mod:`lmcache_mp.engine.server`). Also runnable as
+HTTP server (see :mod:`lmcache_mp.engine.http.server`). Also runnable as
 ``python -m lmcache_mp``.
 """
 
@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["serve"]:
         # Imported here: the server's dependencies load only when serving.
-        from lmcache_mp.engine.server import cli
+        from lmcache_mp.engine.http.server import cli
 
         return cli(args_list[1:])
     parser, bench = build_parser()

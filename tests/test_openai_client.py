@@ -18,8 +18,8 @@ import lmcache_mp.batch as lmc_batch
 import lmcache_mp.stream as lmc_stream
 from lmcache_mp.edits import make_edit
 from lmcache_mp.engine import EmbeddedEngine, EngineConfig
-from lmcache_mp.engine.openai import OpenAICompletions, post_completion
-from lmcache_mp.engine.server import serve
+from lmcache_mp.engine.http.openai import OpenAICompletions, post_completion
+from lmcache_mp.engine.http.server import serve
 from lmcache_mp.errors import EngineHTTPError, LMCacheStreamError, SamplingParamsError
 from lmcache_mp.kv import connect
 from lmcache_mp.stream import TokenEvent

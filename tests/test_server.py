@@ -20,8 +20,8 @@ import openai
 import pytest
 
 from lmcache_mp.engine import EmbeddedEngine, EngineConfig
-from lmcache_mp.engine.openai import post_completion
-from lmcache_mp.engine.server import EngineServer, cli, serve
+from lmcache_mp.engine.http.openai import post_completion
+from lmcache_mp.engine.http.server import EngineServer, cli, serve
 from lmcache_mp.errors import KVConfigError
 from lmcache_mp.kv import connect
 from tests._fakes import InMemoryKV
@@ -380,7 +380,7 @@ def test_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_subprocess_serves_and_stops_on_signal(sig: signal.Signals) -> None:
     """The CLI prints its URL, serves /health, and exits 0 on SIGINT/SIGTERM."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lmcache_mp.engine.server", "--port", "0"],
+        [sys.executable, "-m", "lmcache_mp.engine.http.server", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -3,7 +3,7 @@
 from lmcache_mp.engine._config import EngineConfig
 from lmcache_mp.engine._embedded import EmbeddedEngine, EngineStats
 from lmcache_mp.engine._vocab import ToyVocab
-from lmcache_mp.engine.openai import OpenAICompletions, post_completion
+from lmcache_mp.engine.http.openai import OpenAICompletions, post_completion
 
 __all__ = [
     "EmbeddedEngine",

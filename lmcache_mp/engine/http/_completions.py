@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcache_mp.engine._http_server import APIError
 from lmcache_mp.engine._sampling import SamplingParams
+from lmcache_mp.engine.http._server import APIError
 from lmcache_mp.errors import SamplingParamsError
 
 __all__ = ["CompletionRequest", "ResponseBuilder", "parse_request"]

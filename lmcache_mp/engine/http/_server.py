@@ -18,11 +18,11 @@ from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from lmcache_mp.engine._sse import encode_event
+from lmcache_mp.engine.http._sse import encode_event
 
 __all__ = ["APIError", "JSONRequestHandler", "TrackingHTTPServer"]
 
-logger = logging.getLogger("lmcache_mp.engine.server")
+logger = logging.getLogger("lmcache_mp.engine.http.server")
 
 
 class APIError(Exception):

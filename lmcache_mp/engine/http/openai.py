@@ -32,8 +32,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lmcache_mp.engine._http_client import Endpoint, open_stream, read_lines
-from lmcache_mp.engine._sse import DONE, iter_events
+from lmcache_mp.engine.http._client import Endpoint, open_stream, read_lines
+from lmcache_mp.engine.http._sse import DONE, iter_events
 from lmcache_mp.errors import LMCacheStreamError, SamplingParamsError, StreamInputError
 from lmcache_mp.hints import releases_gil
 from lmcache_mp.stream import TokenEvent

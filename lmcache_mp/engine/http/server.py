@@ -11,7 +11,7 @@ shared-memory KV store, so that a batch opened on the same store sees the
 KV the server prefilled, and the server reuses the KV the batch edited (its
 ``usage.prompt_tokens_details.cached_tokens`` shows it).
 
-Run ``lmcache-mp serve --port 0`` (or ``python -m lmcache_mp.engine.server``);
+Run ``lmcache-mp serve --port 0`` (or ``python -m lmcache_mp.engine.http.server``);
 its first line is ``lmcache-mp serve: listening on http://HOST:PORT``.
 """
 
@@ -31,8 +31,8 @@ from typing import Any
 
 from lmcache_mp.engine._config import KV_DTYPES, EngineConfig
 from lmcache_mp.engine._embedded import EmbeddedEngine
-from lmcache_mp.engine._http_handler import HTTPServer
-from lmcache_mp.engine._http_server import logger
+from lmcache_mp.engine.http._handler import HTTPServer
+from lmcache_mp.engine.http._server import logger
 from lmcache_mp.errors import LMCacheError
 from lmcache_mp.kv import DEFAULT_CHUNK_SIZE, SharedMemoryKVStore, connect
 

@@ -14,13 +14,13 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from lmcache_mp.engine._embedded import EmbeddedEngine
-from lmcache_mp.engine._http_completions import (
+from lmcache_mp.engine.http._completions import (
     CompletionRequest,
     ResponseBuilder,
     parse_request,
     usage,
 )
-from lmcache_mp.engine._http_server import (
+from lmcache_mp.engine.http._server import (
     APIError,
     JSONRequestHandler,
     TrackingHTTPServer,
