@@ -103,6 +103,10 @@ class StreamModifyMetrics:
         kv_bytes_in: Bytes of the KV handed to the fn.
         kv_bytes_out: Bytes of the KV the fn returned.
         info: The third item of the fn's result, if it returned one.
+        retrieve_s: Of ``duration``, seconds reading the KV from the store.
+        fn_s: Of ``duration``, seconds in the fn.
+        store_s: Of ``duration``, seconds checking and writing (or
+            staging) the edited KV.
     """
 
     duration: float = 0.0
@@ -111,6 +115,9 @@ class StreamModifyMetrics:
     kv_bytes_in: int = 0
     kv_bytes_out: int = 0
     info: Any = None
+    retrieve_s: float = 0.0
+    fn_s: float = 0.0
+    store_s: float = 0.0
 
 
 @dataclass

@@ -412,6 +412,7 @@ class LMCacheStream:
         sid = self._stream_id
         start = time.perf_counter()
         kv = self.retrieve_kv(timeout=timeout, poll_interval=poll_interval)
+        retrieved = time.perf_counter()
         cached = int(kv.shape[2])
         given = self._state.tokens[:cached]
         try:
@@ -426,6 +427,7 @@ class LMCacheStream:
                 "expected a tuple (new_kv, new_tokens) or (new_kv, new_tokens, info)",
                 sid,
             )
+        edited = time.perf_counter()
         new_kv, toks = self._validate(result[0], result[1])
         # Only a same-token edit overwrites, and a batch stages it: any other
         # edit leaves the chunks of the previous state intact, so a worker
@@ -436,13 +438,17 @@ class LMCacheStream:
         self._state = dataclasses.replace(
             s, tokens=toks, suffix=s.tokens[cached:] + s.suffix, done=False
         )
+        end = time.perf_counter()
         figures = StreamModifyMetrics(
-            duration=time.perf_counter() - start,
+            duration=end - start,
             tokens_before=cached,
             tokens_after=len(toks),
             kv_bytes_in=int(kv.nbytes),
             kv_bytes_out=int(new_kv.nbytes),
             info=result[2] if len(result) == 3 else None,
+            retrieve_s=retrieved - start,
+            fn_s=edited - retrieved,
+            store_s=end - edited,
         )
         return figures, staged
 

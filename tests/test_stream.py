@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -161,6 +162,24 @@ def test_modify_returns_the_fn_info_and_figures(
     assert m.info == {"dropped": 4}
     assert (m.tokens_before, m.tokens_after) == (8, 4)
     assert m.kv_bytes_in == 2 * m.kv_bytes_out == kv_for(range(8)).nbytes
+
+
+def test_modify_figures_split_the_time_into_retrieve_fn_and_store(
+    kv: InMemoryKV, engine: FakeEngine
+) -> None:
+    """The fn's own time is fn_s (a 50 ms sleep lands there), and the three
+    parts add up to the duration."""
+    s = lmc_stream.create_request(kv, engine, list(range(8)))
+    s.generate({"max_tokens": 1})
+
+    def slow(k: np.ndarray, t: list[int]) -> tuple[np.ndarray, list[int]]:
+        time.sleep(0.05)
+        return k[:, :, :4], t[:4]
+
+    m = s.modify_kv(slow, timeout=1)
+    assert m.fn_s >= 0.05
+    assert m.retrieve_s < m.fn_s and m.store_s < m.fn_s
+    assert m.retrieve_s + m.fn_s + m.store_s == pytest.approx(m.duration, abs=1e-3)
 
 
 @pytest.mark.parametrize(

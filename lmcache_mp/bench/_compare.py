@@ -33,6 +33,8 @@ from lmcache_mp.stream import LMCacheStream, TokenEvent, create_request
 __all__ = ["format_compare", "pool_starts", "references", "run_compare"]
 
 _REF_BYTES = 64 * 2**20
+#: The parts of a stream's modify time that lmcache_mp reports.
+_PARTS = ("retrieve", "fn", "store")
 
 
 def references() -> dict[str, float]:
@@ -115,6 +117,7 @@ def _no_engine(
 def _lmcache_mp(config: BenchConfig, name: str, edit: Edit) -> dict[str, Any]:
     """Time one lmcache_mp executor's modify over ``repeat`` fresh stores."""
     walls, outputs, pickled, chosen = [], [], [], ""
+    split: dict[str, list[float]] = {part: [] for part in _PARTS}
     with (
         LMCacheBatchedStream(
             name,
@@ -149,11 +152,15 @@ def _lmcache_mp(config: BenchConfig, name: str, edit: Edit) -> dict[str, Any]:
                 + transport.get("pickled_bytes_received", 0)
             )
             chosen = report["config"].get("executor_chosen", "")
+            for part in _PARTS:
+                split[part].append(report["results"][f"p50_stream_{part}_ms"])
             outputs = [s.tokens for s in streams]
         workers = batch.executor.workers if name != "thread" else config.streams
         peak = memory.reset()
     label = f"lmcache_mp {name}" + (f" -> {chosen}" if chosen else "")
-    return _row(label, workers, walls, outputs, peak, statistics.median(pickled))
+    row = _row(label, workers, walls, outputs, peak, statistics.median(pickled))
+    row["stream_p50_ms"] = {part: statistics.median(v) for part, v in split.items()}
+    return row
 
 
 def _peer(config: BenchConfig, name: str, edit: Edit, workers: int) -> dict[str, Any]:
@@ -202,6 +209,7 @@ def _row(
         "pickled_bytes": pickled,
         "peak_rss_bytes": peak,
         "outputs": outputs,
+        "stream_p50_ms": None,
     }
 
 
@@ -284,6 +292,7 @@ def format_compare(
                 "-" if row["x_thread"] is None else f"{row['x_thread']:.2f}x",
                 _kib_per_stream(row["pickled_bytes"], config.streams, mib),
                 f"{row['peak_rss_bytes'] / 2**20:.0f} MiB",
+                _split(row["stream_p50_ms"]),
             ]
             for row in point["rows"]
         ]
@@ -297,6 +306,7 @@ def format_compare(
             "x thread",
             "pickled/stream",
             "peak RSS",
+            "retrieve/fn/store ms",
         ]
         lines = [f"edit {point['edit']}", tabulate(table, headers=headers)]
         if not point["outputs_agree"]:
@@ -312,3 +322,9 @@ def _kib_per_stream(pickled: float | None, streams: int, kv_mib: float) -> str:
     if pickled is None:
         return f"~{2 * kv_mib:.0f} MiB (KV)"
     return f"{pickled / streams / 1024:.1f} KiB"
+
+
+def _split(parts: dict[str, float] | None) -> str:
+    if parts is None:
+        return "-"
+    return "/".join(f"{parts[p]:.1f}" for p in _PARTS)
