@@ -22,10 +22,10 @@ from lmcache_mp.bench._cli import config_from_args
 from lmcache_mp.bench._compare import (
     format_compare,
     pool_starts,
-    references,
     run_compare,
 )
 from lmcache_mp.bench._figures import BASIS_PER_STREAM, BASIS_SERIAL, point_figures
+from lmcache_mp.bench._machine import references
 from lmcache_mp.bench._monitor import PeakMemory, ProgressLine
 from lmcache_mp.bench._run import PHASES, PhaseFigures, RunFigures
 
@@ -209,6 +209,8 @@ def test_json_has_schema_machine_and_config(all_executors: dict[str, Any]) -> No
         assert isinstance(machine[key], int) and machine[key] > 0
     for key in ("python", "numpy", "platform"):
         assert isinstance(machine[key], str) and machine[key]
+    for key in ("memcpy_gb_s", "pickle_gb_s"):
+        assert isinstance(machine[key], float) and machine[key] > 0
     assert machine["start_method"] == "spawn"
     assert isinstance(machine["blas"], list)
     assert (

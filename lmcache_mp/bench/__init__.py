@@ -28,6 +28,7 @@ JSON schema ``lmcache-mp-bench/1`` (:meth:`BenchResult.to_dict`)::
         "memory_available_bytes": int,
         "load_average_1m": float | null,      # at the start
         "load_average_1m_end": float | null,  # at the end
+        "memcpy_gb_s": float, "pickle_gb_s": float,  # measured references
         "python": "3.11.4", "python_implementation": "CPython",
         "numpy": "1.26.4", "lmcache_mp": "0.1.0",
         "platform": str, "machine": "x86_64", "start_method": "spawn",

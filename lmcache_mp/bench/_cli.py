@@ -13,7 +13,6 @@ from lmcache_mp._paths import atomic_write_text
 from lmcache_mp.bench._compare import (
     format_compare,
     pool_starts,
-    references,
     run_compare,
 )
 from lmcache_mp.bench._config import (
@@ -22,7 +21,7 @@ from lmcache_mp.bench._config import (
     SWEEPS,
     BenchConfig,
 )
-from lmcache_mp.bench._machine import machine_info
+from lmcache_mp.bench._machine import machine_info, references
 from lmcache_mp.bench._peers import PEERS
 from lmcache_mp.bench._plot import require_matplotlib
 from lmcache_mp.bench._result import run_bench

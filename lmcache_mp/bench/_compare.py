@@ -10,7 +10,6 @@ one after the other, each with the machine to itself (issue #12).
 
 from __future__ import annotations
 
-import pickle
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -30,37 +29,10 @@ from lmcache_mp.executors._process import ProcessExecutor
 from lmcache_mp.kv import SharedMemoryKVStore, connect
 from lmcache_mp.stream import LMCacheStream, TokenEvent, create_request
 
-__all__ = ["format_compare", "pool_starts", "references", "run_compare"]
+__all__ = ["format_compare", "pool_starts", "run_compare"]
 
-_REF_BYTES = 64 * 2**20
 #: The parts of a stream's modify time that lmcache_mp reports.
 _PARTS = ("retrieve", "fn", "store")
-
-
-def references() -> dict[str, float]:
-    """Measure this machine's memcpy and pickle speeds (GB/s, best of 3).
-
-    Returns:
-        ``memcpy_gb_s`` (a 64 MiB copy) and ``pickle_gb_s`` (a 64 MiB
-        array pickled and unpickled: one trip through a pipe's encoding).
-    """
-    src = np.ones(_REF_BYTES, np.uint8)
-    dst = np.empty_like(src)
-
-    def best(fn: Any) -> float:
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return _REF_BYTES / min(times) / 1e9
-
-    return {
-        "memcpy_gb_s": best(lambda: np.copyto(dst, src)),
-        "pickle_gb_s": best(
-            lambda: pickle.loads(pickle.dumps(src, protocol=pickle.HIGHEST_PROTOCOL))
-        ),
-    }
 
 
 def pool_starts(preload: Sequence[str] = ("lmcache_mp.edits",)) -> dict[str, float]:

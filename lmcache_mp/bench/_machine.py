@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import pickle
 import platform
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -13,7 +15,9 @@ import psutil
 import lmcache_mp
 from lmcache_mp.executors import physical_cores
 
-__all__ = ["load_average", "machine_info", "usable_cores"]
+__all__ = ["load_average", "machine_info", "references", "usable_cores"]
+
+_REF_BYTES = 64 * 2**20
 
 
 def usable_cores() -> int:
@@ -88,4 +92,30 @@ def machine_info(start_method: str) -> dict[str, Any]:
         "machine": platform.machine(),
         "start_method": start_method,
         "blas": _blas(),
+    }
+
+
+def references() -> dict[str, float]:
+    """Measure this machine's memcpy and pickle speeds (GB/s, best of 3).
+
+    Returns:
+        ``memcpy_gb_s`` (a 64 MiB copy) and ``pickle_gb_s`` (a 64 MiB
+        array pickled and unpickled: one trip through a pipe's encoding).
+    """
+    src = np.ones(_REF_BYTES, np.uint8)
+    dst = np.empty_like(src)
+
+    def best(fn: Any) -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return _REF_BYTES / min(times) / 1e9
+
+    return {
+        "memcpy_gb_s": best(lambda: np.copyto(dst, src)),
+        "pickle_gb_s": best(
+            lambda: pickle.loads(pickle.dumps(src, protocol=pickle.HIGHEST_PROTOCOL))
+        ),
     }

@@ -13,7 +13,12 @@ from typing import Any
 from lmcache_mp._paths import atomic_write_text
 from lmcache_mp.bench._config import BenchConfig, at_sweep_value, sweep_values
 from lmcache_mp.bench._figures import point_figures
-from lmcache_mp.bench._machine import load_average, machine_info, usable_cores
+from lmcache_mp.bench._machine import (
+    load_average,
+    machine_info,
+    references,
+    usable_cores,
+)
 from lmcache_mp.bench._plot import write_plot
 from lmcache_mp.bench._run import RunFigures, run_once
 from lmcache_mp.bench._table import format_header, format_point
@@ -148,6 +153,8 @@ def run_bench(
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     cores = usable_cores()
     result = BenchResult(config, machine_info(config.start_method), [], created)
+    # How close a phase is to the machine's limits (issue #12).
+    result.machine.update(references())
     _warm_up(config)
     values: list[int | None] = [*sweep_values(config, cores)] or [None]
     for edit in config.edits:

@@ -117,6 +117,11 @@ def format_header(result: dict[str, Any]) -> str:
         f"{machine['python']}, numpy {machine['numpy']}, load average "
         f"{machine['load_average_1m']} at start",
     ]
+    if "memcpy_gb_s" in machine:
+        lines.append(
+            f"references: memcpy {machine['memcpy_gb_s']:.1f} GB/s, pickle "
+            f"{machine['pickle_gb_s']:.1f} GB/s (64 MiB, best of 3)"
+        )
     if machine["blas"] is None and "thread" in cfg["executors"]:
         lines.append(
             "note: threadpoolctl is not installed, so the thread executor cannot "

@@ -171,7 +171,12 @@ class ProcessExecutor(ShardExecutor):
         blas = self._blas_threads or max(1, physical_cores() // n)
         ctx = multiprocessing.get_context(self._mp_context)
         if self._mp_context == "forkserver":
-            ctx.set_forkserver_preload(["lmcache_mp.executors._worker", *self._preload])
+            # threadpoolctl: each worker caps BLAS with it at start, and its
+            # import alone took ~20 ms per worker (issue #12: a later pool
+            # starts in < 0.1 s). The server skips a module it cannot import.
+            ctx.set_forkserver_preload(
+                ["lmcache_mp.executors._worker", "threadpoolctl", *self._preload]
+            )
         pool = ProcessPoolExecutor(
             max_workers=n,
             mp_context=ctx,
