@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -22,12 +22,12 @@ from lmcache_mp._records import StreamState
 from lmcache_mp.batch import LMCacheBatchedStream
 from lmcache_mp.bench._config import BenchConfig
 from lmcache_mp.bench._monitor import PeakMemory
-from lmcache_mp.bench._peers import Item, PeerUnavailable, make_peer
+from lmcache_mp.bench._peers import Item, PeerUnavailable, make_peer, no_engine
 from lmcache_mp.edits import Edit
 from lmcache_mp.executors._auto import AutoExecutor
 from lmcache_mp.executors._process import ProcessExecutor
 from lmcache_mp.kv import SharedMemoryKVStore, connect
-from lmcache_mp.stream import LMCacheStream, TokenEvent, create_request
+from lmcache_mp.stream import LMCacheStream, create_request
 
 __all__ = ["format_compare", "pool_starts", "run_compare"]
 
@@ -80,12 +80,6 @@ def _kv_bytes(config: BenchConfig) -> int:
     return 2 * config.layers * config.prompt_tokens * config.width * itemsize
 
 
-def _no_engine(
-    prompt_token_ids: list[int], sampling_params: dict[str, Any], cache_salt: str
-) -> Iterable[TokenEvent]:
-    raise RuntimeError("the compare bench runs no engine")
-
-
 def _lmcache_mp(config: BenchConfig, name: str, edit: Edit) -> dict[str, Any]:
     """Time one lmcache_mp executor's modify over ``repeat`` fresh stores."""
     walls, outputs, pickled, chosen = [], [], [], ""
@@ -108,7 +102,7 @@ def _lmcache_mp(config: BenchConfig, name: str, edit: Edit) -> dict[str, Any]:
             store, prompts = _fill(config)
             try:
                 if not streams:
-                    streams = [create_request(store, _no_engine, p) for p in prompts]
+                    streams = [create_request(store, no_engine, p) for p in prompts]
                     for stream in streams:
                         batch.add(stream)
                 for stream, prompt in zip(streams, prompts, strict=True):

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import abc
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from lmcache_mp.edits import Edit
 from lmcache_mp.kv import SharedMemoryKVStore
+from lmcache_mp.stream import TokenEvent
 
-__all__ = ["PEERS", "Peer", "PeerUnavailable", "make_peer"]
+__all__ = ["PEERS", "Peer", "PeerUnavailable", "make_peer", "no_engine"]
 
 #: Peer names, as ``--compare`` spells them.
 PEERS = ("loky", "ray", "upstream")
@@ -193,7 +194,7 @@ class _Upstream(Peer):
         batch = self._batch_mod.LMCacheBatchedStream()
         streams = []
         for toks, salt in items:
-            stream = self._request.LMCacheRequestStream([ctx], _no_engine, toks, salt)
+            stream = self._request.LMCacheRequestStream([ctx], no_engine, toks, salt)
             batch.add(stream)
             streams.append(stream)
         batch.modify_request_streams(_upstream_fn(edit, self._kind.KV, self._torch))
@@ -211,7 +212,11 @@ def _upstream_fn(edit: Edit, kind: Any, torch: Any) -> Callable[..., Any]:
     return fn
 
 
-def _no_engine(*args: Any) -> Any:
+def no_engine(
+    prompt_token_ids: list[int], sampling_params: dict[str, Any], cache_salt: str
+) -> Iterable[TokenEvent]:
+    """The ``post_completion`` of the compare bench's streams: it runs no
+    engine, and a stream that calls it fails saying so."""
     raise RuntimeError("the compare bench runs no engine")
 
 
