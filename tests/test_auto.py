@@ -26,7 +26,7 @@ from lmcache_mp.engine import EmbeddedEngine
 from lmcache_mp.executors._auto import AutoExecutor, GilWatch, weigh
 from lmcache_mp.hints import gil_hint
 from lmcache_mp.kv import SharedMemoryKVStore
-from tests._fakes import FakeEngine
+from tests._fakes import FakeEngine, InMemoryKV
 
 Result = tuple[np.ndarray, list[int], int]
 
@@ -208,6 +208,29 @@ def test_unpicklable_fn_runs_on_threads(
     report = auto_batch.modify(locked)
     assert set(_pids(auto_batch)) == {os.getpid()}
     assert "cannot be pickled" in _config(report)["executor_reason"]
+
+
+class _UnpicklableKV(InMemoryKV):
+    """A KV context that cannot be sent to a worker."""
+
+    def __reduce__(self) -> Any:
+        raise TypeError("this context stays in its process")
+
+
+def test_phase_that_cannot_be_pickled_runs_on_threads() -> None:
+    """A context that cannot reach the workers does not fail the phase:
+    auto runs it on threads and says why."""
+    kv = _UnpicklableKV()
+    with lmc_batch.LMCacheBatchedStream("auto", max_workers=2) as batch:
+        engine = FakeEngine(kv)
+        for i in range(3):
+            batch.add(lmc_stream.create_request(kv, engine, list(range(i, i + 8))))
+        batch.prefill({})
+        report = batch.modify(marked_bound)
+    assert set(_pids(batch)) == {os.getpid()}
+    config = _config(report)
+    assert config["executor_chosen"] == "thread"
+    assert "cannot be pickled" in config["executor_reason"]
 
 
 def test_a_failing_first_stream_still_commits_the_others(

@@ -31,6 +31,7 @@ from types import TracebackType
 import cloudpickle
 
 from lmcache_mp._phase import PhaseSpec, StreamJob
+from lmcache_mp.errors import LMCachePicklingError
 from lmcache_mp.executors._base import PhaseExecutor, PhaseRun, physical_cores
 from lmcache_mp.executors._process import ProcessExecutor
 from lmcache_mp.executors._thread import ThreadExecutor, limit_blas_while
@@ -300,7 +301,14 @@ class AutoExecutor(PhaseExecutor):
         inner: PhaseExecutor = self._process
         if choice.executor == "thread":
             inner = self._thread
-        run = inner.run(spec, jobs, timeout=timeout, max_in_flight=max_in_flight)
+        try:
+            run = inner.run(spec, jobs, timeout=timeout, max_in_flight=max_in_flight)
+        except LMCachePicklingError as exc:
+            # A context or engine that cannot reach a worker still runs
+            # here; nothing was sent, so no stream has run yet.
+            choice = Choice("thread", f"the phase cannot be pickled: {exc}")
+            inner = self._thread
+            run = inner.run(spec, jobs, timeout=timeout, max_in_flight=max_in_flight)
         if run.pool_start_s:
             self._start_s = run.pool_start_s
         run.executor, run.reason = choice.executor, choice.reason
