@@ -8,6 +8,7 @@ KV edits. Importing the package starts nothing.
 """
 
 from lmcache_mp.batch import LMCacheBatchedStream
+from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import (
     LMCacheBatchedStreamError,
     LMCacheError,
@@ -29,6 +30,7 @@ __all__ = [
     "LMCacheBatchedStream",
     "LMCacheBatchedStreamError",
     "LMCacheError",
+    "LMCacheSDKCacheKind",
     "LMCacheStream",
     "LMCacheStreamError",
     "Metrics",

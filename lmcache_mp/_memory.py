@@ -35,8 +35,10 @@ def modify_bound(streams: Sequence[LMCacheStream]) -> int | None:
     for stream in streams:
         layout = getattr(stream.ctx, "layout", None)
         if layout is not None:
-            layers, width, dtype = layout
-            per_token = max(per_token, 2 * layers * width * np.dtype(dtype).itemsize)
+            layers, width, dtype = layout[:3]
+            planes = getattr(layout, "planes", 2)
+            size = planes * layers * width * np.dtype(dtype).itemsize
+            per_token = max(per_token, size)
     if per_token == 0:
         return None
     longest = max(len(s.tokens) for s in streams)

@@ -26,6 +26,7 @@ from lmcache_mp.kv import (
     _connect,
 )
 from lmcache_mp.kv._chunk import HEADER_SIZE
+from lmcache_mp.kv._layout import Layout
 from tests._store_util import (
     StoreFactory,
     bits,
@@ -275,7 +276,7 @@ def test_layout_is_shared_by_every_handle(stores: StoreFactory) -> None:
     first, second = stores.connect(url, chunk_size=C), stores.connect(url, chunk_size=C)
     assert second.layout is None
     first.store(kv_of(TOKENS), TOKENS)
-    assert second.layout == (2, 4, np.dtype(np.float32))
+    assert second.layout == Layout(2, 4, np.dtype(np.float32), planes=2)
     with pytest.raises(KVConfigError):
         second.store(kv_of(TOKENS, dtype=np.float16), TOKENS)
 
@@ -283,7 +284,7 @@ def test_layout_is_shared_by_every_handle(stores: StoreFactory) -> None:
 def test_layout_given_at_connect_is_enforced(stores: StoreFactory) -> None:
     """connect(layers, width, dtype) fixes the layout before any store."""
     ctx = stores.connect(chunk_size=C, layers=2, width=4, dtype="bfloat16")
-    assert ctx.layout == (2, 4, np.dtype(ml_dtypes.bfloat16))
+    assert ctx.layout == Layout(2, 4, np.dtype(ml_dtypes.bfloat16), planes=2)
     with pytest.raises(KVConfigError, match="bfloat16"):
         ctx.store(kv_of(TOKENS), TOKENS)
 

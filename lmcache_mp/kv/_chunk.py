@@ -11,7 +11,8 @@ Layout of a chunk file (little-endian)::
     payload  u64  payload length in bytes
     digest   16s  keyed BLAKE2b-128 of the 32 bytes above + the payload's
                   CRC-32 (u32)
-    payload       the [2, layers, tokens, width] elements, C order
+    payload       the [planes, layers, tokens, width] elements, C order
+                  (planes: 2 for KV, 1 for queries)
 
 The digest is keyed with the chunk's key, so a chunk file renamed to
 another key fails as well. It detects corruption, truncation and torn or
@@ -76,19 +77,25 @@ def chunk_file_size(layout: Layout, chunk_size: int) -> int:
 
 
 def _payload_size(layout: Layout, chunk_size: int) -> int:
-    return 2 * layout.layers * chunk_size * layout.width * layout.dtype.itemsize
+    return (
+        layout.planes
+        * layout.layers
+        * chunk_size
+        * layout.width
+        * layout.dtype.itemsize
+    )
 
 
 def chunk_views(raw: npt.NDArray[np.uint8], start: int, stop: int) -> list[memoryview]:
     """The contiguous pieces of tokens ``[start, stop)`` of a KV, in file order.
 
     Args:
-        raw: A C-contiguous KV viewed as bytes: ``[2, L, T, D * itemsize]``.
+        raw: A C-contiguous KV viewed as bytes: ``[P, L, T, D * itemsize]``.
         start: First token of the chunk.
         stop: One past its last token.
 
     Returns:
-        ``2 * L`` flat byte views, one per (K/V, layer), sharing ``raw``'s
+        ``P * L`` flat byte views, one per (plane, layer), sharing ``raw``'s
         memory, so chunks are written from and read into it without copies.
     """
     return [

@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
 from lmcache_mp._paths import shm_root
+from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVConfigError
 from lmcache_mp.kv._capacity import default_capacity
 from lmcache_mp.kv._layout import Layout, resolve_dtype
@@ -93,7 +94,9 @@ _OPENERS: dict[str, Callable[[SplitResult, str, _Options], SharedMemoryKVStore]]
 }
 
 
-def _layout_arg(layers: int | None, width: int | None, dtype: Any) -> Layout | None:
+def _layout_arg(
+    layers: int | None, width: int | None, dtype: Any, planes: int
+) -> Layout | None:
     if layers is None and width is None and dtype is None:
         return None
     if layers is None or width is None or dtype is None:
@@ -105,7 +108,7 @@ def _layout_arg(layers: int | None, width: int | None, dtype: Any) -> Layout | N
     for name, value in (("layers", layers), ("width", width)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise KVConfigError(f"{name} must be a positive int, got {value!r}")
-    return Layout(layers, width, resolve_dtype(dtype))
+    return Layout(layers, width, resolve_dtype(dtype), planes)
 
 
 def connect(
@@ -116,6 +119,7 @@ def connect(
     width: int | None = None,
     dtype: Any = None,
     capacity_bytes: int | None = None,
+    kind: LMCacheSDKCacheKind = LMCacheSDKCacheKind.KV,
 ) -> SharedMemoryKVStore:
     """Open an embedded shared-memory KV store.
 
@@ -137,19 +141,40 @@ def connect(
         capacity_bytes: Chunk bytes kept before least recently used chunks
             are evicted; default a quarter of the free RAM or of the free
             space of the store's filesystem, whichever is smaller.
+        kind: The tensor family of the returned context: ``KV`` or
+            ``QUERY`` (the named store's query namespace, as
+            :meth:`SharedMemoryKVStore.for_kind`; the layout arguments
+            then fix that namespace's layout).
 
     Returns:
         The store's context.
 
     Raises:
         KVConfigError: For an unsupported scheme or malformed URL, a bad
-            chunk size, capacity or layout, or a layout that differs from
-            the one the named store already has.
+            chunk size, capacity or layout, a layout that differs from the
+            one the named store already has, or a kind other than KV for a
+            temporary store (it has no name for other handles to share).
         KVStoreSecurityError: If the directory is a symlink, not owned by
             the current user, or open to other users.
         KVStoreError: If the directory cannot be created or opened.
     """
-    options = _Options(chunk_size, _layout_arg(layers, width, dtype), capacity_bytes)
+    layout = _layout_arg(layers, width, dtype, kind.planes)
+    if kind is not LMCacheSDKCacheKind.KV:
+        if url is None:
+            raise KVConfigError(
+                f"a temporary store has only KV; open a named store for "
+                f"{kind.name}, or call for_kind() on the temporary one"
+            )
+        with connect(url, chunk_size=chunk_size, capacity_bytes=capacity_bytes) as kv:
+            other = kv.for_kind(kind)
+        if layout is not None:
+            try:
+                other._attach(create=False, layout=layout)
+            except BaseException:
+                other.close()
+                raise
+        return other
+    options = _Options(chunk_size, layout, capacity_bytes)
     if url is None:
         name = f"tmp-{secrets.token_hex(8)}"
         return _open_dir(_shm_dir(name), f"shm:///{name}", options, owner=True)

@@ -16,12 +16,15 @@ from typing import NamedTuple
 
 import psutil
 
+from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError, KVStoreSecurityError
 
 __all__ = [
     "CHUNK_SUFFIX",
     "TEMP_PREFIX",
     "ChunkEntry",
+    "DirHandle",
+    "kind_location",
     "list_chunks",
     "open_store_dir",
     "remove_stale_temps",
@@ -185,3 +188,55 @@ def remove_tree(path: str) -> None:
             continue
         return
     raise KVStoreError(f"{path}: cannot remove the store: {last}") from last
+
+
+#: Prefix of the subdirectory of a store that holds another kind's chunks.
+_KIND_DIR = "kind-"
+
+
+def kind_location(
+    path: str, url: str, kind: LMCacheSDKCacheKind, wanted: LMCacheSDKCacheKind
+) -> tuple[str, str]:
+    """Where the ``wanted`` kind of a store lives, from one of its kinds.
+
+    KV is the store's directory; another kind a subdirectory of it (so that
+    removing the store removes every kind), named by ``URL#kind``.
+
+    Args:
+        path: The directory of the ``kind`` handle.
+        url: Its URL.
+        kind: Its kind.
+        wanted: The kind to locate.
+
+    Returns:
+        ``(path, url)`` of the wanted kind.
+    """
+    if kind is not LMCacheSDKCacheKind.KV:
+        path, url = os.path.dirname(path), url.rsplit("#", 1)[0]
+    if wanted is LMCacheSDKCacheKind.KV:
+        return path, url
+    return os.path.join(path, f"{_KIND_DIR}{wanted.value}"), f"{url}#{wanted.value}"
+
+
+class DirHandle:
+    """A store directory's descriptor and removal: what a store's finalizer
+    may touch without keeping the store alive."""
+
+    def __init__(self, path: str, owner: bool) -> None:
+        self.path = path
+        # Only the creating process removes a temporary store: a forked child
+        # inherits the finalizer but must not delete its parent's store.
+        self.owner_pid = os.getpid() if owner else None
+        self.fd: int | None = None
+
+    def release(self) -> None:
+        """Close the descriptor; safe to call twice."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def cleanup(self) -> None:
+        """Release, and remove the directory if this process owns it."""
+        self.release()
+        if self.owner_pid == os.getpid():
+            remove_tree(self.path)

@@ -34,15 +34,24 @@ _NAMES = {code: name for name, code in _CODES.items()}
 
 
 class Layout(NamedTuple):
-    """The shape and element type every chunk of a store shares."""
+    """The shape and element type every chunk of a store shares.
+
+    ``planes`` is the tensor's first axis: 2 for KV (K and V), 1 for a
+    store of queries (:class:`~lmcache_mp.cache_kind.LMCacheSDKCacheKind`).
+    """
 
     layers: int
     width: int
     dtype: np.dtype[Any]
+    planes: int = 2
 
     def describe(self) -> str:
         """A human-readable form for error messages."""
-        return f"(layers={self.layers}, width={self.width}, dtype={self.dtype.name})"
+        planes = "" if self.planes == 2 else f", planes={self.planes}"
+        return (
+            f"(layers={self.layers}, width={self.width}, "
+            f"dtype={self.dtype.name}{planes})"
+        )
 
 
 def _bfloat16() -> np.dtype[Any]:
@@ -100,11 +109,13 @@ def _parse(raw: bytes, where: str) -> Layout:
     try:
         doc = json.loads(raw)
         layers, width, name = int(doc["layers"]), int(doc["width"]), doc["dtype"]
-    except (ValueError, KeyError, TypeError) as exc:
+        # Stores written before kinds existed hold KV: two planes.
+        planes = int(doc.get("planes", 2))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise KVStoreError(f"{where}: not a valid store layout: {exc}") from exc
-    if layers < 1 or width < 1 or name not in _CODES:
+    if layers < 1 or width < 1 or name not in _CODES or planes not in (1, 2):
         raise KVStoreError(f"{where}: not a valid store layout: {raw!r}")
-    return Layout(layers, width, resolve_dtype(name))
+    return Layout(layers, width, resolve_dtype(name), planes)
 
 
 def load_layout(dir_fd: int, where: str) -> Layout | None:
@@ -148,7 +159,12 @@ def publish_layout(dir_fd: int, where: str, layout: Layout) -> Layout:
     Raises:
         KVStoreError: If the layout cannot be written or read back.
     """
-    doc = {"layers": layout.layers, "width": layout.width, "dtype": layout.dtype.name}
+    doc = {
+        "layers": layout.layers,
+        "width": layout.width,
+        "dtype": layout.dtype.name,
+        "planes": layout.planes,
+    }
     tmp = temp_name()
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
     try:

@@ -9,7 +9,6 @@ import time
 import warnings
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -17,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lmcache_mp._arrays import as_numpy
+from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import CorruptChunkWarning, KVConfigError, KVStoreError
 from lmcache_mp.kv._capacity import Usage
 from lmcache_mp.kv._chunk import (
@@ -28,6 +28,8 @@ from lmcache_mp.kv._chunk import (
 )
 from lmcache_mp.kv._files import (
     CHUNK_SUFFIX,
+    DirHandle,
+    kind_location,
     list_chunks,
     open_store_dir,
     remove_stale_temps,
@@ -35,6 +37,7 @@ from lmcache_mp.kv._files import (
 )
 from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._layout import Layout, load_layout, publish_layout, resolve_dtype
+from lmcache_mp.kv._staged import StagedChunks
 from lmcache_mp.kv._stats import Counters, StoreStats
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "SharedMemoryKVStore", "StagedChunks"]
@@ -43,32 +46,15 @@ __all__ = ["DEFAULT_CHUNK_SIZE", "SharedMemoryKVStore", "StagedChunks"]
 DEFAULT_CHUNK_SIZE = 256
 
 
-class _Handle:
-    """What the finalizer may touch without keeping the store alive."""
-
-    def __init__(self, path: str, owner: bool) -> None:
-        self.path = path
-        # Only the creating process removes a temporary store: a forked child
-        # inherits the finalizer but must not delete its parent's store.
-        self.owner_pid = os.getpid() if owner else None
-        self.fd: int | None = None
-
-    def release(self) -> None:
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)
-
-    def cleanup(self) -> None:
-        self.release()
-        if self.owner_pid == os.getpid():
-            remove_tree(self.path)
-
-
 def _reopen(
-    path: str, url: str, chunk_size: int, capacity_bytes: int
+    path: str,
+    url: str,
+    chunk_size: int,
+    capacity_bytes: int,
+    kind: LMCacheSDKCacheKind = LMCacheSDKCacheKind.KV,
 ) -> SharedMemoryKVStore:
     return SharedMemoryKVStore(
-        path, url=url, chunk_size=chunk_size, capacity_bytes=capacity_bytes
+        path, url=url, chunk_size=chunk_size, capacity_bytes=capacity_bytes, kind=kind
     )
 
 
@@ -90,6 +76,8 @@ class SharedMemoryKVStore:
             are evicted.
         owner: Whether this handle owns the directory: closing it, garbage
             collecting it or leaving the interpreter then removes it.
+        kind: The tensor family it caches: ``KV`` (``[2, L, T, D]``) or
+            ``QUERY`` (``[1, L, T, D]``); see :meth:`for_kind`.
 
     Raises:
         KVConfigError: If ``chunk_size`` or ``capacity_bytes`` is not a
@@ -104,6 +92,7 @@ class SharedMemoryKVStore:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         capacity_bytes: int,
         owner: bool = False,
+        kind: LMCacheSDKCacheKind = LMCacheSDKCacheKind.KV,
     ) -> None:
         for label, value in (
             ("chunk_size", chunk_size),
@@ -114,7 +103,8 @@ class SharedMemoryKVStore:
         self._path = path
         self._url = url
         self._chunk_size = chunk_size
-        self._handle = _Handle(path, owner)
+        self._kind = kind
+        self._handle = DirHandle(path, owner)
         self._finalizer = weakref.finalize(self, self._handle.cleanup)
         self._lock = threading.Lock()
         self._closed = False
@@ -126,6 +116,11 @@ class SharedMemoryKVStore:
     def path(self) -> str:
         """The store directory."""
         return self._path
+
+    @property
+    def kind(self) -> LMCacheSDKCacheKind:
+        """The tensor family this context caches (upstream's ``ctx.kind``)."""
+        return self._kind
 
     @property
     def url(self) -> str:
@@ -144,7 +139,8 @@ class SharedMemoryKVStore:
 
     @property
     def layout(self) -> Layout | None:
-        """``(layers, width, dtype)`` of the stored KV; ``None`` until fixed."""
+        """``(layers, width, dtype, planes)`` of the stored tensors; ``None``
+        until fixed."""
         if self._layout is None and not self._closed:
             self._layout = load_layout(self._dir_fd(), self._path)
         return self._layout
@@ -158,7 +154,13 @@ class SharedMemoryKVStore:
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             _reopen,
-            (self._path, self._url, self._chunk_size, self._usage.capacity),
+            (
+                self._path,
+                self._url,
+                self._chunk_size,
+                self._usage.capacity,
+                self._kind,
+            ),
         )
 
     def __enter__(self) -> SharedMemoryKVStore:
@@ -171,6 +173,42 @@ class SharedMemoryKVStore:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+    def for_kind(self, kind: LMCacheSDKCacheKind) -> SharedMemoryKVStore:
+        """Open the context of another tensor family in this store.
+
+        Each kind lives in its own namespace (a subdirectory), with the same
+        chunk keys, checksums, atomic writes and eviction, so that the
+        queries of a prompt never answer for its KV (upstream namespaces
+        the model name by kind). Its layout is fixed by its first store.
+        Removing the store (``destroy``, or closing a temporary one) removes
+        every kind.
+
+        Args:
+            kind: The family; ``self.kind`` gives an equal new handle.
+
+        Returns:
+            A handle on that kind's namespace (not owning the store).
+
+        Raises:
+            KVStoreError: If the store is closed or the namespace cannot be
+                created.
+        """
+        path, url = kind_location(self._path, self._url, self._kind, kind)
+        self._dir_fd()  # the store must be open (and exist) first
+        store = SharedMemoryKVStore(
+            path,
+            url=url,
+            chunk_size=self._chunk_size,
+            capacity_bytes=self._usage.capacity,
+            kind=kind,
+        )
+        try:
+            store._attach(create=True, layout=None)
+        except BaseException:
+            store.close()
+            raise
+        return store
 
     def _attach(self, create: bool, layout: Layout | None) -> None:
         """Open the directory now (creating it) and fix ``layout`` if given."""
@@ -219,7 +257,8 @@ class SharedMemoryKVStore:
                 returned.
 
         Returns:
-            A new contiguous ``[2, L, T, D]`` array with ``T`` a multiple of
+            A new contiguous ``[P, L, T, D]`` array (``P`` 2 for KV, 1 for
+            queries) with ``T`` a multiple of
             ``chunk_size``, or ``None`` when the first chunk is not cached.
 
         Raises:
@@ -247,7 +286,8 @@ class SharedMemoryKVStore:
             self._counts.add(misses=1)
             return None
         out = np.empty(
-            (2, layout.layers, len(found) * size, layout.width), layout.dtype
+            (layout.planes, layout.layers, len(found) * size, layout.width),
+            layout.dtype,
         )
         raw = out.view(np.uint8)
         got = 0
@@ -356,12 +396,13 @@ class SharedMemoryKVStore:
         (temp, chunk) names of those left unpublished."""
         arr = as_numpy(kv)
         toks = token_array(tokens)
-        if arr.ndim != 4 or arr.shape[0] != 2 or arr.shape[2] != len(toks):
+        planes = self._kind.planes
+        if arr.ndim != 4 or arr.shape[0] != planes or arr.shape[2] != len(toks):
             raise KVConfigError(
-                f"KV has shape {arr.shape}, expected 4-D [2, layers, tokens, width] "
-                f"with {len(toks)} tokens on axis 2"
+                f"{self._kind.name} has shape {arr.shape}, expected 4-D "
+                f"[{planes}, layers, tokens, width] with {len(toks)} tokens on axis 2"
             )
-        wanted = Layout(arr.shape[1], arr.shape[3], resolve_dtype(arr.dtype))
+        wanted = Layout(arr.shape[1], arr.shape[3], resolve_dtype(arr.dtype), planes)
         fd = self._dir_fd()
         layout = self._check_layout(fd, wanted)
         size = self._chunk_size
@@ -451,35 +492,3 @@ class SharedMemoryKVStore:
         """
         self.close()
         remove_tree(self._path)
-
-
-@dataclass(frozen=True)
-class StagedChunks:
-    """Chunks written aside by :meth:`SharedMemoryKVStore.stage`.
-
-    Pickles by the store's location, so a worker can stage and the parent
-    commit. :meth:`commit` and :meth:`discard` are each safe to call twice.
-
-    Args:
-        store: The store the chunks belong to.
-        moves: ``(temp file, chunk file)`` names in the store's directory.
-    """
-
-    store: SharedMemoryKVStore
-    moves: tuple[tuple[str, str], ...]
-
-    def commit(self) -> None:
-        """Replace the cached chunks with the staged ones (each atomically).
-
-        Raises:
-            KVStoreError: If the store is closed or gone.
-        """
-        self.store._publish(self.moves, keep=True)
-
-    def discard(self) -> None:
-        """Remove the staged files; the cached chunks stay as they were.
-
-        Raises:
-            KVStoreError: If the store is closed or gone.
-        """
-        self.store._publish(self.moves, keep=False)
