@@ -166,14 +166,7 @@ def connect(
                 f"{kind.name}, or call for_kind() on the temporary one"
             )
         with connect(url, chunk_size=chunk_size, capacity_bytes=capacity_bytes) as kv:
-            other = kv.for_kind(kind)
-        if layout is not None:
-            try:
-                other._attach(create=False, layout=layout)
-            except BaseException:
-                other.close()
-                raise
-        return other
+            return kv._open_kind(kind, layout)
     options = _Options(chunk_size, layout, capacity_bytes)
     if url is None:
         name = f"tmp-{secrets.token_hex(8)}"

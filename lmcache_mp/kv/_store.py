@@ -194,6 +194,12 @@ class SharedMemoryKVStore:
             KVStoreError: If the store is closed or the namespace cannot be
                 created.
         """
+        return self._open_kind(kind, None)
+
+    def _open_kind(
+        self, kind: LMCacheSDKCacheKind, layout: Layout | None
+    ) -> SharedMemoryKVStore:
+        """:meth:`for_kind`, fixing (or checking) that kind's ``layout``."""
         path, url = kind_location(self._path, self._url, self._kind, kind)
         self._dir_fd()  # the store must be open (and exist) first
         store = SharedMemoryKVStore(
@@ -204,7 +210,7 @@ class SharedMemoryKVStore:
             kind=kind,
         )
         try:
-            store._attach(create=True, layout=None)
+            store._attach(create=True, layout=layout)
         except BaseException:
             store.close()
             raise
