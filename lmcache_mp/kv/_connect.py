@@ -16,7 +16,7 @@ from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVConfigError
 from lmcache_mp.kv._capacity import default_capacity
 from lmcache_mp.kv._layout import Layout, resolve_dtype
-from lmcache_mp.kv._store import DEFAULT_CHUNK_SIZE, SharedMemoryKVStore
+from lmcache_mp.kv._shm import DEFAULT_CHUNK_SIZE, SharedMemoryKVStore
 
 __all__ = ["connect"]
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lmcache_mp.kv._store import SharedMemoryKVStore
+    from lmcache_mp.kv._shm import SharedMemoryKVStore
 
 __all__ = ["StagedChunks"]
 
