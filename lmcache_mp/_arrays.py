@@ -7,7 +7,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["as_numpy"]
+__all__ = ["ARRAY_TYPES", "as_numpy", "as_type", "check_array_type"]
+
+#: What a modify fn can be handed: numpy arrays, or CPU torch tensors.
+ARRAY_TYPES = ("numpy", "torch")
 
 
 def as_numpy(value: Any) -> npt.NDArray[Any]:
@@ -47,3 +50,43 @@ def as_numpy(value: Any) -> npt.NDArray[Any]:
     if arr.dtype.kind in "OUSMm" or arr.ndim == 0:
         raise TypeError(f"got {type(value).__name__}, expected a numeric array")
     return arr
+
+
+def check_array_type(name: str) -> None:
+    """Check an ``array=`` argument now, before any stream runs.
+
+    Raises:
+        ValueError: If ``name`` is not one of :data:`ARRAY_TYPES`.
+        ImportError: If it is ``"torch"`` and torch is not installed (the
+            message names the extra).
+    """
+    if name not in ARRAY_TYPES:
+        raise ValueError(f"array must be one of {', '.join(ARRAY_TYPES)}, got {name!r}")
+    if name == "torch":
+        try:
+            import torch  # noqa: F401
+        except ImportError as exc:
+            raise ImportError(
+                "array='torch' needs torch: pip install 'lmcache-mp[torch]'"
+            ) from exc
+
+
+def as_type(arr: npt.NDArray[Any], name: str) -> Any:
+    """Hand a numpy KV over as ``name`` without copying.
+
+    Args:
+        arr: The KV (float32, float16 or ml_dtypes bfloat16).
+        name: ``"numpy"`` (``arr`` itself) or ``"torch"`` (a CPU tensor
+            sharing ``arr``'s memory; bfloat16 bits are reinterpreted, so
+            they round-trip exactly).
+
+    Returns:
+        The array to give the modify fn.
+    """
+    if name == "numpy":
+        return arr
+    import torch
+
+    if arr.dtype.name == "bfloat16":
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)

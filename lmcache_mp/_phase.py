@@ -43,6 +43,8 @@ class PhaseSpec:
         fn: For ``modify``: the KV editor.
         retrieve_timeout: For ``modify``: seconds to wait for cached KV.
         poll_interval: For ``modify``: seconds between retrieve attempts.
+        array: For ``modify``: what the fn is handed, ``"numpy"`` or
+            ``"torch"``.
     """
 
     kind: PhaseKind
@@ -52,6 +54,7 @@ class PhaseSpec:
     fn: ModifyFn | None = None
     retrieve_timeout: float = 30.0
     poll_interval: float = 0.2
+    array: str = "numpy"
 
 
 @dataclass

@@ -18,6 +18,7 @@ from concurrent.futures import Executor
 from types import TracebackType
 from typing import Any
 
+from lmcache_mp._arrays import check_array_type
 from lmcache_mp._commit import commit
 from lmcache_mp._memory import modify_bound
 from lmcache_mp._phase import build_phase
@@ -63,6 +64,9 @@ class LMCacheBatchedStream:
         max_in_flight: Streams whose KV may be in memory at once during a
             modify (default: as many as fit in half the available memory).
         timeout: Default phase timeout in seconds (``None``: no limit).
+        array: What modify fns are handed: ``"numpy"`` arrays (default) or
+            ``"torch"`` CPU tensors sharing their memory, so that torch fns
+            run unchanged (issue #11); a fn may return either.
 
     Attributes:
         streams: Member streams keyed by stream id.
@@ -72,7 +76,8 @@ class LMCacheBatchedStream:
             replaced by every modify; ``.info`` holds what the fn reported.
 
     Raises:
-        ValueError: For an unknown executor or start method.
+        ValueError: For an unknown executor, start method or array type.
+        ImportError: For ``array="torch"`` without torch installed.
     """
 
     def __init__(
@@ -85,7 +90,10 @@ class LMCacheBatchedStream:
         blas_threads: int | None = None,
         max_in_flight: int | None = None,
         timeout: float | None = None,
+        array: str = "numpy",
     ) -> None:
+        check_array_type(array)
+        self._array = array
         self.streams: dict[str, LMCacheStream] = {}
         self.perf_metrics: dict[str, StreamPerfMetrics] = {}
         self.modify_metrics: dict[str, StreamModifyMetrics] = {}
@@ -307,6 +315,7 @@ class LMCacheBatchedStream:
         timeout: float | None,
         fmt: str = "terminal",
         width: int = 80,
+        array: str | None = None,
     ) -> tuple[float, Metrics]:
         if not callable(fn):
             raise TypeError(f"modify fn must be callable, got {type(fn).__name__}")
@@ -322,6 +331,7 @@ class LMCacheBatchedStream:
                 fn=fn,
                 retrieve_timeout=retrieve_timeout,
                 poll_interval=poll_interval,
+                array=self._array if array is None else array,
             )
         metrics = modify_report(
             duration,
@@ -422,6 +432,7 @@ class LMCacheBatchedStream:
         timeout: float | None = None,
         retrieve_timeout: float = 30.0,
         poll_interval: float = 0.2,
+        array: str | None = None,
     ) -> Metrics:
         """Apply a KV edit to every selected stream and report it.
 
@@ -434,6 +445,8 @@ class LMCacheBatchedStream:
             timeout: Phase timeout in seconds (default: the batch's).
             retrieve_timeout: Seconds each stream waits for its cached KV.
             poll_interval: Seconds between retrieve attempts.
+            array: What the fn is handed for this phase, ``"numpy"`` or
+                ``"torch"`` (default: the batch's).
 
         Returns:
             The modify report (duration, tokens and KV bytes before/after,
@@ -443,8 +456,17 @@ class LMCacheBatchedStream:
             LMCachePicklingError: If ``fn`` cannot be sent to the workers.
             LMCacheBatchedStreamError: As :meth:`modify_stream`.
         """
+        if array is not None:
+            check_array_type(array)
         return self._modify(
-            fn, stream_ids, retrieve_timeout, poll_interval, timeout, fmt, width
+            fn,
+            stream_ids,
+            retrieve_timeout,
+            poll_interval,
+            timeout,
+            fmt,
+            width,
+            array,
         )[1]
 
     def decode(

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lmcache_mp._arrays import as_numpy
+from lmcache_mp._arrays import as_numpy, as_type, check_array_type
 from lmcache_mp._records import (
     ModifyFn,
     PostCompletion,
@@ -380,7 +380,12 @@ class LMCacheStream:
         self._state.done = False
 
     def modify_kv(
-        self, fn: ModifyFn, timeout: float = 30.0, poll_interval: float = 0.2
+        self,
+        fn: ModifyFn,
+        timeout: float = 30.0,
+        poll_interval: float = 0.2,
+        *,
+        array: str = "numpy",
     ) -> StreamModifyMetrics:
         """Edit the cached KV with ``fn`` and store the result.
 
@@ -393,6 +398,9 @@ class LMCacheStream:
             fn: The KV editor.
             timeout: Seconds to wait for the cached KV to appear.
             poll_interval: Seconds between retrieve attempts.
+            array: What ``fn`` is handed: ``"numpy"`` arrays or ``"torch"``
+                CPU tensors sharing their memory (issue #11); it may return
+                either.
 
         Returns:
             What the edit did, with ``info`` from the fn if it gave one.
@@ -402,10 +410,17 @@ class LMCacheStream:
                 fn raises (its exception is the ``__cause__``).
             StreamInputError: If the fn's result is malformed.
         """
-        return self._modify(fn, timeout, poll_interval, stage=False)[0]
+        check_array_type(array)
+        return self._modify(fn, timeout, poll_interval, stage=False, array=array)[0]
 
     def _modify(
-        self, fn: ModifyFn, timeout: float, poll_interval: float, *, stage: bool
+        self,
+        fn: ModifyFn,
+        timeout: float,
+        poll_interval: float,
+        *,
+        stage: bool,
+        array: str = "numpy",
     ) -> tuple[StreamModifyMetrics, Any]:
         """:meth:`modify_kv`; with ``stage``, a same-token edit is staged and
         returned for the caller to commit with the new state (a batch)."""
@@ -416,7 +431,7 @@ class LMCacheStream:
         cached = int(kv.shape[2])
         given = self._state.tokens[:cached]
         try:
-            result = fn(kv, list(given))
+            result = fn(as_type(kv, array), list(given))
         except Exception as exc:
             raise LMCacheStreamError(
                 f"stream {sid}: modify fn raised {type(exc).__name__}: {exc}", sid

@@ -159,7 +159,11 @@ def run_job(spec: PhaseSpec, job: StreamJob, *, remote: bool) -> StreamOutcome:
             return StreamOutcome(job.stream_id, state=stream.state, perf=perf)
         assert spec.fn is not None
         modify, staged = stream._modify(
-            spec.fn, spec.retrieve_timeout, spec.poll_interval, stage=True
+            spec.fn,
+            spec.retrieve_timeout,
+            spec.poll_interval,
+            stage=True,
+            array=spec.array,
         )
         return StreamOutcome(
             job.stream_id, state=stream.state, modify=modify, staged=staged
