@@ -1,7 +1,9 @@
 """Specification of torch modify fns: ``array="torch"`` (issue #11).
 
 torch is the optional ``torch`` extra; ``.ci/run`` and the README's test
-command install its CPU wheel, so these tests always run there.
+command install its CPU wheel, so these tests always run there. torch is
+imported inside the tests, not at collection, so that the rest of the suite
+runs without it loaded (it slowed every other test's process start).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
 
 import lmcache_mp.batch as lmc_batch
 import lmcache_mp.stream as lmc_stream
@@ -31,6 +32,8 @@ def _no_engine(*args: Any) -> Any:
 
 def halve_in_torch(kv: Any, tokens: list[int]) -> tuple[Any, list[int], str]:
     """A torch-only edit: keep every other token from the second, doubled."""
+    import torch
+
     assert isinstance(kv, torch.Tensor)
     return kv[:, :, 1::2] * 2, tokens[1::2], str(kv.dtype)
 
@@ -82,6 +85,8 @@ def _batch(
 def test_as_type_shares_memory_with_the_numpy_buffer(dtype: Any) -> None:
     """The tensor a fn gets is a view: its bits are the numpy KV's bits, and
     writing it writes the numpy KV."""
+    import torch
+
     arr = _kv(0, dtype)
     tensor = as_type(arr, "torch")
     assert tensor.dtype == (torch.float32 if dtype is np.float32 else torch.bfloat16)
