@@ -78,6 +78,10 @@ class TrackingHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True
     block_on_close = False
+    # socketserver's default backlog is 5: a batch opening one connection
+    # per stream (32 at once in the tests) overflowed it and a connection
+    # was reset once under load.
+    request_queue_size = 128
 
     def __init__(
         self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]
