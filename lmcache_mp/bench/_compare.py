@@ -22,11 +22,18 @@ from lmcache_mp._records import StreamState
 from lmcache_mp.batch import LMCacheBatchedStream
 from lmcache_mp.bench._config import BenchConfig
 from lmcache_mp.bench._monitor import PeakMemory
-from lmcache_mp.bench._peers import Item, PeerUnavailable, make_peer, no_engine
+from lmcache_mp.bench._peers import (
+    Item,
+    Peer,
+    PeerUnavailable,
+    make_peer,
+    no_engine,
+)
 from lmcache_mp.edits import Edit
 from lmcache_mp.executors._auto import AutoExecutor
 from lmcache_mp.executors._process import ProcessExecutor
 from lmcache_mp.kv import SharedMemoryKVStore, connect
+from lmcache_mp.metrics import Metrics
 from lmcache_mp.stream import LMCacheStream, create_request
 
 __all__ = ["format_compare", "pool_starts", "run_compare"]
@@ -80,102 +87,107 @@ def _kv_bytes(config: BenchConfig) -> int:
     return 2 * config.layers * config.prompt_tokens * config.width * itemsize
 
 
-def _lmcache_mp(config: BenchConfig, name: str, edit: Edit) -> dict[str, Any]:
-    """Time one lmcache_mp executor's modify over ``repeat`` fresh stores."""
-    walls, outputs, pickled, chosen = [], [], [], ""
-    split: dict[str, list[float]] = {part: [] for part in _PARTS}
-    with (
-        LMCacheBatchedStream(
-            name,
+class _Ours(Peer):
+    """An lmcache_mp executor as a runner: one batch and pool for every repeat."""
+
+    def __init__(self, name: str, config: BenchConfig) -> None:
+        super().__init__(name, 0)
+        self._config = config
+        self._streams: list[LMCacheStream] = []
+        self._reports: list[Metrics] = []
+
+    def start(self) -> None:
+        config = self._config
+        self._batch = LMCacheBatchedStream(
+            self.name,
             max_workers=config.workers,
             mp_context=config.start_method,
             preload=("lmcache_mp.edits",),
-        ) as batch,
-        PeakMemory() as memory,
-    ):
-        executor = batch.executor
+        )
+        executor = self._batch.executor
         pool = executor.process if isinstance(executor, AutoExecutor) else executor
         if isinstance(pool, ProcessExecutor):
             pool.start(config.streams)
-        streams: list[LMCacheStream] = []
-        for _ in range(config.repeat):
-            store, prompts = _fill(config)
-            try:
-                if not streams:
-                    streams = [create_request(store, no_engine, p) for p in prompts]
-                    for stream in streams:
-                        batch.add(stream)
-                for stream, prompt in zip(streams, prompts, strict=True):
-                    stream.ctx, stream.state = store, StreamState(tokens=list(prompt))
-                start = time.perf_counter()
-                report = batch.modify(edit).to_dict()["metrics"]
-                walls.append(time.perf_counter() - start)
-            finally:
-                store.destroy()
-            transport = report.get("transport", {})
-            pickled.append(
-                transport.get("pickled_bytes_sent", 0)
-                + transport.get("pickled_bytes_received", 0)
+
+    def prepare(self, store: SharedMemoryKVStore, items: Sequence[Item]) -> None:
+        if not self._streams:
+            self._streams = [create_request(store, no_engine, t) for t, _ in items]
+            for stream in self._streams:
+                self._batch.add(stream)
+        for stream, (tokens, _) in zip(self._streams, items, strict=True):
+            stream.ctx, stream.state = store, StreamState(tokens=list(tokens))
+
+    def modify(
+        self, store: SharedMemoryKVStore, items: Sequence[Item], edit: Edit
+    ) -> list[list[int]]:
+        self._reports.append(self._batch.modify(edit))
+        return [s.tokens for s in self._streams]
+
+    def close(self) -> None:
+        self._batch.close()
+
+    def _metrics(self) -> list[dict[str, Any]]:
+        return [report.to_dict()["metrics"] for report in self._reports]
+
+    @property
+    def label(self) -> str:
+        chosen = self._metrics()[-1]["config"].get("executor_chosen", "")
+        return f"lmcache_mp {self.name}" + (f" -> {chosen}" if chosen else "")
+
+    def figures(self) -> dict[str, Any]:
+        metrics = self._metrics()
+        pickled = [
+            m.get("transport", {}).get("pickled_bytes_sent", 0)
+            + m.get("transport", {}).get("pickled_bytes_received", 0)
+            for m in metrics
+        ]
+        split = {
+            part: statistics.median(
+                m["results"][f"p50_stream_{part}_ms"] for m in metrics
             )
-            chosen = report["config"].get("executor_chosen", "")
-            for part in _PARTS:
-                split[part].append(report["results"][f"p50_stream_{part}_ms"])
-            outputs = [s.tokens for s in streams]
-        workers = batch.executor.workers if name != "thread" else config.streams
-        peak = memory.reset()
-    label = f"lmcache_mp {name}" + (f" -> {chosen}" if chosen else "")
-    row = _row(label, workers, walls, outputs, peak, statistics.median(pickled))
-    row["stream_p50_ms"] = {part: statistics.median(v) for part, v in split.items()}
-    return row
+            for part in _PARTS
+        }
+        threads = self.name == "thread"
+        return {
+            "workers": self._config.streams
+            if threads
+            else self._batch.executor.workers,
+            "pickled_bytes": statistics.median(pickled),
+            "stream_p50_ms": split,
+        }
 
 
-def _peer(config: BenchConfig, name: str, edit: Edit, workers: int) -> dict[str, Any]:
-    """Time one peer's modify over ``repeat`` fresh stores."""
-    peer = make_peer(name, workers)
-    walls, outputs = [], []
+def _time(config: BenchConfig, runner: Peer, edit: Edit) -> dict[str, Any]:
+    """Time one runner's modify over ``repeat`` fresh stores (start excluded)."""
+    walls: list[float] = []
+    outputs: list[list[int]] = []
     with PeakMemory() as memory:
-        peer.start()
+        runner.start()
         try:
             for _ in range(config.repeat):
                 store, prompts = _fill(config)
                 items: list[Item] = [(p, "") for p in prompts]
                 try:
+                    runner.prepare(store, items)
                     start = time.perf_counter()
-                    outputs = peer.modify(store, items, edit)
+                    outputs = runner.modify(store, items, edit)
                     walls.append(time.perf_counter() - start)
                 finally:
                     store.destroy()
         finally:
-            peer.close()
+            runner.close()
         peak = memory.reset()
-    # loky and Ray pickle each KV in and each edited KV out; upstream runs
-    # one thread per stream and pickles nothing.
-    if name == "upstream":
-        return _row(name, config.streams, walls, outputs, peak, 0)
-    return _row(name, workers, walls, outputs, peak, None)
-
-
-def _row(
-    runner: str,
-    workers: int,
-    walls: list[float],
-    outputs: list[list[int]],
-    peak: int,
-    pickled: float | None,
-) -> dict[str, Any]:
     return {
-        "runner": runner,
-        "workers": workers,
+        "runner": runner.label,
         "wall_s": {
             "median": statistics.median(walls),
             "min": min(walls),
             "max": max(walls),
             "values": walls,
         },
-        "pickled_bytes": pickled,
         "peak_rss_bytes": peak,
         "outputs": outputs,
-        "stream_p50_ms": None,
+        **runner.figures(),
     }
 
 
@@ -198,11 +210,11 @@ def run_compare(
     points = []
     for name in config.edits:
         edit = config.edit(name)
-        rows = [_lmcache_mp(config, ex, edit) for ex in config.executors]
+        rows = [_time(config, _Ours(ex, config), edit) for ex in config.executors]
         unavailable = {}
         for peer in peers:
             try:
-                rows.append(_peer(config, peer, edit, workers))
+                rows.append(_time(config, make_peer(peer, workers), edit))
             except PeerUnavailable as exc:
                 unavailable[peer] = str(exc)
         outputs = [row.pop("outputs") for row in rows]

@@ -88,6 +88,12 @@ class Peer(abc.ABC):
     def start(self) -> None:
         """Start the peer's runtime and warm it up (not timed)."""
 
+    def prepare(  # noqa: B027 - an optional hook, not an abstract step
+        self, store: SharedMemoryKVStore, items: Sequence[Item]
+    ) -> None:
+        """Point the runner at a repeat's fresh store (not timed); peers
+        need nothing."""
+
     @abc.abstractmethod
     def modify(
         self, store: SharedMemoryKVStore, items: Sequence[Item], edit: Edit
@@ -97,6 +103,21 @@ class Peer(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop what :meth:`start` started."""
+
+    @property
+    def label(self) -> str:
+        """The runner's name in the table."""
+        return self.name
+
+    def figures(self) -> dict[str, Any]:
+        """What the table shows besides the wall time, after the repeats.
+
+        Returns:
+            ``workers``; ``pickled_bytes`` per phase (``None``: each KV is
+            pickled in and out, as loky and Ray do); ``stream_p50_ms``, the
+            retrieve/fn/store split where the runner reports one.
+        """
+        return {"workers": self.workers, "pickled_bytes": None, "stream_p50_ms": None}
 
 
 class _Loky(Peer):
@@ -133,7 +154,11 @@ class _Ray(Peer):
             configure_logging=False,
         )
         self._task = ray.remote(_apply)
-        ray.get([self._task.remote(_NoEdit(), np.zeros((2, 1, 1, 1)), [0])] * 2)
+        warm = [
+            self._task.remote(_NoEdit(), np.zeros((2, 1, 1, 1)), [0])
+            for _ in range(self.workers)
+        ]
+        ray.get(warm)
 
     def modify(
         self, store: SharedMemoryKVStore, items: Sequence[Item], edit: Edit
@@ -198,10 +223,15 @@ class _Upstream(Peer):
             batch.add(stream)
             streams.append(stream)
         batch.modify_request_streams(_upstream_fn(edit, self._kind.KV, self._torch))
+        self._streams = len(streams)
         return [list(s.tokens) for s in streams]
 
     def close(self) -> None:
         """Upstream starts threads per phase only: nothing to stop."""
+
+    def figures(self) -> dict[str, Any]:
+        """One thread per stream, nothing pickled."""
+        return {**super().figures(), "workers": self._streams, "pickled_bytes": 0}
 
 
 def _upstream_fn(edit: Edit, kind: Any, torch: Any) -> Callable[..., Any]:
