@@ -25,7 +25,7 @@ from typing import Any
 
 import cloudpickle
 
-from lmcache_mp._paths import private_tempdir, remove_tree
+from lmcache_mp._paths import private_tempdir
 from lmcache_mp._phase import PhaseSpec, StreamJob, StreamOutcome
 from lmcache_mp.errors import (
     LMCachePicklingError,
@@ -34,6 +34,7 @@ from lmcache_mp.errors import (
     TerminatedWorkerError,
 )
 from lmcache_mp.executors._base import PhaseExecutor, PhaseRun, timeout_outcome
+from lmcache_mp.executors._claims import Claims, FileClaims
 from lmcache_mp.executors._worker import ShardTask, run_shard
 
 __all__ = ["JOIN_TIMEOUT", "ShardExecutor", "fail_all", "pickle_spec"]
@@ -134,11 +135,15 @@ def fail_all(
 
 
 class ShardExecutor(PhaseExecutor):
-    """Ships phases to a ``concurrent.futures`` executor as shard tasks."""
+    """Ships phases to a ``concurrent.futures`` executor as shard tasks.
+
+    The defaults suit workers on this machine: the spec goes to a private
+    file, claims are files, and a lost task is a ``BrokenProcessPool``.
+    Engines that reach other hosts override the hooks.
+    """
 
     def __init__(self) -> None:
         self._dir: str | None = None
-        self._phase_no = 0
 
     @abc.abstractmethod
     def _executor(self, n_jobs: int, result: PhaseRun) -> Executor:
@@ -146,7 +151,7 @@ class ShardExecutor(PhaseExecutor):
 
     @abc.abstractmethod
     def _after_break(
-        self, jobs: list[StreamJob], lost: list[int], marker_dir: str, result: PhaseRun
+        self, jobs: list[StreamJob], lost: list[int], claims: Claims, result: PhaseRun
     ) -> list[int]:
         """Fail what a broken executor lost; return what to run again."""
 
@@ -155,6 +160,41 @@ class ShardExecutor(PhaseExecutor):
 
     def _abort(self) -> None:
         """Stop everything now (Ctrl-C in the parent)."""
+
+    def _private_dir(self) -> str:
+        if self._dir is None:
+            self._dir = private_tempdir("lmcache-mp-pool-")
+        return self._dir
+
+    def _share_spec(self, blob: bytes, digest: str) -> tuple[str, tuple[Any, ...]]:
+        """Make the phase's bytes reachable by every worker.
+
+        Returns:
+            The spec file's path (``""`` for none) and the extra arguments
+            each task is submitted with.
+        """
+        path = os.path.join(self._private_dir(), f"spec-{digest}")
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+            f.write(blob)
+        return path, ()
+
+    def _unshare_spec(self, path: str) -> None:
+        """Drop what :meth:`_share_spec` made, once the phase is over."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    def _make_claims(self, spec: PhaseSpec) -> Claims:
+        """The claims of one phase (files: the workers share this machine)."""
+        return FileClaims.create(self._private_dir())
+
+    def _submit(
+        self, executor: Executor, payload: bytes, extra: tuple[Any, ...]
+    ) -> Future[list[bytes]]:
+        return executor.submit(run_shard, payload, *extra)
+
+    def _is_lost(self, error: BaseException) -> bool:
+        """Whether a task's error means its worker was lost (not a bug)."""
+        return isinstance(error, BrokenProcessPool)
 
     def run(
         self,
@@ -170,17 +210,11 @@ class ShardExecutor(PhaseExecutor):
             return result
         blob = pickle_spec(spec)
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self._dir is None:
-            self._dir = private_tempdir("lmcache-mp-pool-")
-        self._phase_no += 1
         digest = hashlib.blake2b(blob, digest_size=16).hexdigest()
-        spec_path = os.path.join(self._dir, f"spec-{digest}")
-        marker_dir = os.path.join(self._dir, f"phase-{self._phase_no}")
-        with open(os.open(spec_path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
-            f.write(blob)
-        os.mkdir(marker_dir, 0o700)
-        result.bytes_sent += len(blob)
         start_error: BrokenProcessPool | None = None
+        spec_path: str = ""
+        claims: Claims | None = None
+        extra: tuple[Any, ...] = ()
         try:
             pending = list(range(len(jobs)))
             for _ in range(_MAX_ROUNDS):
@@ -192,12 +226,17 @@ class ShardExecutor(PhaseExecutor):
                     result.pool_rebuilds += 1
                     continue
                 start_error = None
+                if claims is None:
+                    spec_path, extra = self._share_spec(blob, digest)
+                    result.bytes_sent += len(blob) * self._spec_copies()
+                    claims = self._make_claims(spec)
                 task = ShardTask(
-                    spec_path, digest, [], [], spec.kind == "generate", marker_dir
+                    spec_path, digest, [], [], spec.kind == "generate", claims
                 )
                 lost = self._dispatch(
                     executor,
                     task,
+                    extra,
                     jobs,
                     pending,
                     deadline,
@@ -207,31 +246,36 @@ class ShardExecutor(PhaseExecutor):
                 )
                 if not lost:
                     break
-                pending = self._after_break(jobs, lost, marker_dir, result)
-                for name in os.listdir(marker_dir):
-                    os.unlink(os.path.join(marker_dir, name))
+                pending = self._after_break(jobs, lost, claims, result)
+                claims.clear()
                 if not pending:
                     break
             else:
                 if start_error is not None:
                     raise start_error
                 error = TerminatedWorkerError(
-                    f"worker processes died in {_MAX_ROUNDS} pools in a row"
+                    f"workers died in {_MAX_ROUNDS} rounds in a row"
                 )
                 fail_all(result, jobs, pending, error)
         except BaseException:
             self._abort()
             raise
         finally:
-            remove_tree(marker_dir)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(spec_path)
+            if claims is not None:
+                claims.remove()
+                self._unshare_spec(spec_path)
         return result
+
+    def _spec_copies(self) -> int:
+        """How many copies of the spec cross the data plane (one per worker
+        for engines that broadcast it; none for a local file)."""
+        return 1
 
     def _dispatch(
         self,
         executor: Executor,
         template: ShardTask,
+        extra: tuple[Any, ...],
         jobs: list[StreamJob],
         pending: list[int],
         deadline: float | None,
@@ -260,7 +304,7 @@ class ShardExecutor(PhaseExecutor):
                 )
                 payload = pickle.dumps(task, protocol=pickle.HIGHEST_PROTOCOL)
                 try:
-                    future = executor.submit(run_shard, payload)
+                    future = self._submit(executor, payload, extra)
                 except BrokenProcessPool:
                     lost.extend(nos)
                     break
@@ -304,7 +348,7 @@ class ShardExecutor(PhaseExecutor):
         # would hold this frame, the future and (through f_back) a broken
         # pool, keeping its pipes and semaphores until the next collection.
         error = future.exception()
-        if isinstance(error, BrokenProcessPool):
+        if error is not None and self._is_lost(error):
             return nos
         if error is not None:
             fail_all(result, jobs, nos, error)

@@ -8,6 +8,7 @@ from lmcache_mp._paths import remove_tree
 from lmcache_mp._phase import StreamJob
 from lmcache_mp.errors import TerminatedWorkerError
 from lmcache_mp.executors._base import PhaseRun
+from lmcache_mp.executors._claims import Claims
 from lmcache_mp.executors._dispatch import ShardExecutor, fail_all
 
 __all__ = ["ForeignExecutor"]
@@ -40,7 +41,7 @@ class ForeignExecutor(ShardExecutor):
         return self._foreign
 
     def _after_break(
-        self, jobs: list[StreamJob], lost: list[int], marker_dir: str, result: PhaseRun
+        self, jobs: list[StreamJob], lost: list[int], claims: Claims, result: PhaseRun
     ) -> list[int]:
         error = TerminatedWorkerError(
             f"the caller's executor {self._foreign!r} broke (a worker died); "

@@ -10,7 +10,7 @@ Data flow of one phase (after CPython's ``concurrent/futures/process.py``)::
     spec file (private dir, /dev/shm) ........> run_shard(ShardTask bytes)
     StreamJobs (states only)                      | loads the spec once per digest
       | pickle, a few jobs per ShardTask          | rebuilds each stream, runs it
-      +---- call queue ------------------------>  | marker file while a job runs
+      +---- call queue ------------------------>  | claims each job while it runs
                                                   | KV: store <-> worker directly,
                                                   |     never through a pipe
     StreamOutcomes (state+figures | error) <----  + one pickled outcome per job
@@ -19,7 +19,7 @@ Data flow of one phase (after CPython's ``concurrent/futures/process.py``)::
     the batch commits each successful stream
 
 A worker that dies breaks a ``ProcessPoolExecutor`` and fails every pending
-future. The marker files tell which streams the dead worker was running:
+future. The claims (files) tell which streams the dead worker was running:
 those fail with :class:`~lmcache_mp.errors.TerminatedWorkerError`; every
 other unfinished stream is run again on a rebuilt pool.
 """
@@ -40,6 +40,7 @@ from lmcache_mp._paths import remove_tree
 from lmcache_mp._phase import StreamJob, StreamOutcome
 from lmcache_mp.errors import TerminatedWorkerError
 from lmcache_mp.executors._base import PhaseRun, physical_cores
+from lmcache_mp.executors._claims import Claims
 from lmcache_mp.executors._dispatch import JOIN_TIMEOUT, ShardExecutor
 from lmcache_mp.executors._worker import BLAS_ENV_VARS, initialize
 
@@ -212,19 +213,16 @@ class ProcessExecutor(ShardExecutor):
         return self._pool
 
     def _after_break(
-        self, jobs: list[StreamJob], lost: list[int], marker_dir: str, result: PhaseRun
+        self, jobs: list[StreamJob], lost: list[int], claims: Claims, result: PhaseRun
     ) -> list[int]:
         """Blame the streams the dead worker ran; run the rest again."""
         procs = self._procs
         self._discard(kill=False)
         result.pool_rebuilds += 1
         running: dict[int, int] = {}
-        for name in os.listdir(marker_dir):
-            with (
-                contextlib.suppress(OSError, ValueError),
-                open(os.path.join(marker_dir, name)) as f,
-            ):
-                running[int(name)] = int(f.read())
+        for no, owner in claims.owners().items():
+            with contextlib.suppress(ValueError):
+                running[no] = int(owner)
         exits = {pid: proc.exitcode for pid, proc in procs.items()}
         codes = {pid: exits.get(pid) for pid in running.values()}
         # The pool SIGTERMs its other workers when one dies: those are

@@ -23,7 +23,12 @@ from dataclasses import dataclass
 import cloudpickle
 
 from lmcache_mp._phase import PhaseSpec, StreamJob, StreamOutcome
-from lmcache_mp.errors import LMCachePicklingError, LMCacheStreamError
+from lmcache_mp.errors import (
+    LMCachePicklingError,
+    LMCacheStreamError,
+    TerminatedWorkerError,
+)
+from lmcache_mp.executors._claims import Claims
 from lmcache_mp.stream import LMCacheStream
 
 __all__ = ["BLAS_ENV_VARS", "ShardTask", "initialize", "run_job", "run_shard"]
@@ -47,15 +52,16 @@ class ShardTask:
     Args:
         spec_path: File holding the cloudpickled :class:`PhaseSpec`; the
             spec is written once per phase and read once per worker, so a
-            large closure crosses no pipe at all.
-        spec_digest: Digest of that file's bytes (the worker's cache key).
+            large closure crosses no pipe at all. ``""`` when the engine
+            hands the spec's bytes to the task itself (Dask's scatter,
+            Ray's object store).
+        spec_digest: Digest of the spec's bytes (the worker's cache key).
         jobs: The jobs.
-        job_nos: Phase-wide number of each job (names its marker file).
+        job_nos: Phase-wide number of each job (its claim's name).
         concurrent: Run the jobs on threads, all at once (prefill/decode
             keep every request in flight, as upstream's thread per stream).
-        marker_dir: Where a job's marker file (holding the worker's pid)
-            lives while the job runs, so that the parent can tell which
-            streams a dead worker was running.
+        claims: Where a job is claimed while it runs, so that the parent
+            can tell which streams a dead worker was running.
     """
 
     spec_path: str
@@ -63,7 +69,7 @@ class ShardTask:
     jobs: list[StreamJob]
     job_nos: list[int]
     concurrent: bool
-    marker_dir: str
+    claims: Claims
 
 
 _spec_lock = threading.Lock()
@@ -119,16 +125,19 @@ def limit_blas_threads(n: int) -> None:
     threadpool_limits(limits=n)
 
 
-def _load_spec(path: str, digest: str) -> PhaseSpec:
+def _load_spec(task: ShardTask, blob: bytes | None) -> PhaseSpec:
     global _cached_spec
+    digest = task.spec_digest
     with _spec_lock:
         if _cached_spec is not None and _cached_spec[0] == digest:
             return _cached_spec[1]
         _cached_spec = None  # drop the previous phase's spec before loading
-        with open(path, "rb") as f:
-            spec = cloudpickle.load(f)
+        if blob is None:
+            with open(task.spec_path, "rb") as f:
+                blob = f.read()
+        spec = cloudpickle.loads(blob)
         if not isinstance(spec, PhaseSpec):
-            raise TypeError(f"{path} does not hold a PhaseSpec")
+            raise TypeError(f"phase {digest} does not hold a PhaseSpec")
         _cached_spec = (digest, spec)
         return spec
 
@@ -200,32 +209,47 @@ def _dump_outcome(outcome: StreamOutcome) -> bytes:
         return pickle.dumps(failed, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _run_marked(task: ShardTask, spec: PhaseSpec, index: int) -> bytes:
-    marker = os.path.join(task.marker_dir, str(task.job_nos[index]))
-    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, str(os.getpid()).encode())
-    finally:
-        os.close(fd)
-    data = _dump_outcome(run_job(spec, task.jobs[index], remote=True))
-    os.unlink(marker)
+def _run_claimed(task: ShardTask, spec: PhaseSpec, index: int, owner: str) -> bytes:
+    no, job = task.job_nos[index], task.jobs[index]
+    holder = task.claims.begin(no, owner)
+    if holder is not None:
+        # The engine runs this task again after losing the worker that held
+        # the claim (Dask reschedules a lost worker's tasks): that stream
+        # was running there, and fails as it would on the process pool.
+        error = TerminatedWorkerError(
+            f"stream {job.stream_id}: worker {holder} was lost while running "
+            "it (the engine retried the task; lmcache_mp runs a stream once "
+            "per phase). The stream keeps its previous state."
+        )
+        return _dump_outcome(StreamOutcome(job.stream_id, error=error))
+    data = _dump_outcome(run_job(spec, job, remote=True))
+    task.claims.end(no)
     return data
 
 
-def run_shard(payload: bytes) -> list[bytes]:
+def run_shard(
+    payload: bytes, spec_blob: bytes | None = None, owner: str = ""
+) -> list[bytes]:
     """Worker entry point: run a pickled :class:`ShardTask`.
 
     Args:
         payload: The pickled task (the parent pickles it itself to count
             the bytes it sends).
+        spec_blob: The cloudpickled spec, when the engine ships it rather
+            than a file (``task.spec_path`` is then empty).
+        owner: Names this worker in its claims (default: its pid, which is
+            what the process pool's parent looks up).
 
     Returns:
         One pickled :class:`StreamOutcome` per job, in job order.
     """
     task: ShardTask = pickle.loads(payload)
-    spec = _load_spec(task.spec_path, task.spec_digest)
+    spec = _load_spec(task, spec_blob)
+    owner = owner or str(os.getpid())
     indices = range(len(task.jobs))
     if task.concurrent and len(task.jobs) > 1:
         with ThreadPoolExecutor(max_workers=len(task.jobs)) as threads:
-            return list(threads.map(lambda i: _run_marked(task, spec, i), indices))
-    return [_run_marked(task, spec, i) for i in indices]
+            return list(
+                threads.map(lambda i: _run_claimed(task, spec, i, owner), indices)
+            )
+    return [_run_claimed(task, spec, i, owner) for i in indices]
