@@ -1,6 +1,12 @@
-"""The chunk file format: a fixed header, a digest, then the raw payload.
+"""The chunk format: a fixed header, a digest, then the raw payload.
 
-Layout of a chunk file (little-endian)::
+Both backends hold chunks in this one format: a chunk file of the
+shared-memory store and a value of the Redis store are the same bytes.
+The header is built and checked by pure functions (:func:`encode_header`,
+:func:`check_chunk`); :func:`write_chunk`/:func:`read_chunk` move chunks
+through files, :func:`encode_chunk`/:func:`decode_chunk` through bytes.
+
+Layout of a chunk (little-endian)::
 
     magic    8s   b"LMCMPKV\\0"
     version  u16  FORMAT_VERSION
@@ -46,12 +52,17 @@ from lmcache_mp.kv._files import temp_name
 from lmcache_mp.kv._layout import Layout, dtype_code
 
 __all__ = [
+    "DIGEST_BYTES",
     "FORMAT_VERSION",
     "HEADER_SIZE",
     "CorruptChunk",
+    "check_chunk",
     "chunk_digest",
     "chunk_file_size",
     "chunk_views",
+    "decode_chunk",
+    "encode_chunk",
+    "encode_header",
     "read_chunk",
     "write_chunk",
 ]
@@ -59,16 +70,17 @@ __all__ = [
 MAGIC = b"LMCMPKV\0"
 FORMAT_VERSION = 2
 _FIELDS = struct.Struct("<8sHHIIIQ")
-_DIGEST_BYTES = 16
+#: Bytes of the digest, the last part of the header.
+DIGEST_BYTES = 16
 #: Bytes before the payload: the fields and the digest.
-HEADER_SIZE = _FIELDS.size + _DIGEST_BYTES
+HEADER_SIZE = _FIELDS.size + DIGEST_BYTES
 _PERSON = b"lmcache-mp/kvchk"
 # Scatter/gather calls take at most this many buffers.
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 class CorruptChunk(Exception):
-    """A chunk file failed a check; the message says which."""
+    """A chunk (file or value) failed a check; the message says which."""
 
 
 def chunk_file_size(layout: Layout, chunk_size: int) -> int:
@@ -133,10 +145,117 @@ def chunk_digest(key: bytes, fields: bytes, payload: Sequence[memoryview]) -> by
         crc = zlib.crc32(view, crc)
     return hashlib.blake2b(
         fields + crc.to_bytes(4, "little"),
-        digest_size=_DIGEST_BYTES,
+        digest_size=DIGEST_BYTES,
         key=key,
         person=_PERSON,
     ).digest()
+
+
+def encode_header(
+    key: bytes, payload: Sequence[memoryview], layout: Layout, chunk_size: int
+) -> bytes:
+    """The header of a chunk: its fields and their digest.
+
+    A chunk (a file of the shared-memory store, a value of the Redis store)
+    is exactly these :data:`HEADER_SIZE` bytes followed by the payload.
+
+    Args:
+        key: The chunk's key (keys the digest).
+        payload: The chunk's bytes in order, as :func:`chunk_views` returns
+            them (or one view of the whole payload).
+        layout: The store's layout.
+        chunk_size: The store's chunk size.
+
+    Returns:
+        :data:`HEADER_SIZE` bytes.
+    """
+    fields = _fields(layout, chunk_size)
+    return fields + chunk_digest(key, fields, payload)
+
+
+def check_chunk(
+    header: bytes | bytearray | memoryview,
+    key: bytes,
+    payload: Sequence[memoryview],
+    layout: Layout,
+    chunk_size: int,
+) -> None:
+    """Check a chunk's header against its key, payload and store.
+
+    Args:
+        header: The chunk's first :data:`HEADER_SIZE` bytes.
+        key: The key it was found under.
+        payload: The rest of the chunk, in order (one view or several; the
+            checksum runs over their concatenation).
+        layout: The store's layout.
+        chunk_size: The store's chunk size.
+
+    Raises:
+        CorruptChunk: If the header is short or not this format, describes
+            another layout, or its digest does not match the key and payload.
+    """
+    header = bytes(header)
+    if len(header) != HEADER_SIZE:
+        raise CorruptChunk(f"header of {len(header)} bytes, expected {HEADER_SIZE}")
+    fields = header[: _FIELDS.size]
+    magic, version, code, layers, tokens, width, length = _FIELDS.unpack(fields)
+    if magic != MAGIC:
+        raise CorruptChunk(f"bad magic {magic!r}")
+    if version != FORMAT_VERSION:
+        raise CorruptChunk(f"format version {version}, expected {FORMAT_VERSION}")
+    if fields != _fields(layout, chunk_size):
+        raise CorruptChunk(
+            f"header (dtype code {code}, layers {layers}, tokens {tokens}, width "
+            f"{width}, payload {length}) does not match the store {layout.describe()}"
+        )
+    digest = chunk_digest(key, fields, payload)
+    if not hmac.compare_digest(header[_FIELDS.size :], digest):
+        raise CorruptChunk("checksum mismatch")
+
+
+def encode_chunk(
+    key: bytes, payload: Sequence[memoryview], layout: Layout, chunk_size: int
+) -> bytes:
+    """A whole chunk as one bytes object: header, then payload.
+
+    Args:
+        key: The chunk's key.
+        payload: Its bytes, as :func:`chunk_views` returns them.
+        layout: The store's layout.
+        chunk_size: The store's chunk size.
+
+    Returns:
+        :func:`chunk_file_size` bytes, the same as a chunk file holds.
+    """
+    return b"".join([encode_header(key, payload, layout, chunk_size), *payload])
+
+
+def decode_chunk(
+    value: bytes, key: bytes, layout: Layout, chunk_size: int
+) -> memoryview:
+    """Check a whole chunk held in memory and return its payload.
+
+    Args:
+        value: The chunk's bytes, e.g. as a Redis GET returned them.
+        key: The key it was found under.
+        layout: The store's layout.
+        chunk_size: The store's chunk size.
+
+    Returns:
+        A view of the payload inside ``value`` (``[planes, layers, tokens,
+        width]`` elements, C order); never unpickled.
+
+    Raises:
+        CorruptChunk: If ``value`` has the wrong size or fails
+            :func:`check_chunk`.
+    """
+    size = chunk_file_size(layout, chunk_size)
+    if len(value) != size:
+        raise CorruptChunk(f"{len(value)} bytes, expected {size}")
+    view = memoryview(value)
+    payload = view[HEADER_SIZE:]
+    check_chunk(view[:HEADER_SIZE], key, [payload], layout, chunk_size)
+    return payload
 
 
 def _transfer(
@@ -193,8 +312,7 @@ def write_chunk(
     Raises:
         OSError: If the file cannot be written (e.g. the filesystem is full).
     """
-    fields = _fields(layout, chunk_size)
-    header = fields + chunk_digest(key, fields, payload)
+    header = encode_header(key, payload, layout, chunk_size)
     tmp = temp_name()
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
@@ -213,29 +331,6 @@ def write_chunk(
     if publish:
         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     return tmp
-
-
-def _check(
-    header: bytes,
-    key: bytes,
-    payload: list[memoryview],
-    layout: Layout,
-    chunk_size: int,
-) -> None:
-    fields = header[: _FIELDS.size]
-    magic, version, code, layers, tokens, width, length = _FIELDS.unpack(fields)
-    if magic != MAGIC:
-        raise CorruptChunk(f"bad magic {magic!r}")
-    if version != FORMAT_VERSION:
-        raise CorruptChunk(f"format version {version}, expected {FORMAT_VERSION}")
-    if fields != _fields(layout, chunk_size):
-        raise CorruptChunk(
-            f"header (dtype code {code}, layers {layers}, tokens {tokens}, width "
-            f"{width}, payload {length}) does not match the store {layout.describe()}"
-        )
-    digest = chunk_digest(key, fields, payload)
-    if not hmac.compare_digest(header[_FIELDS.size :], digest):
-        raise CorruptChunk("checksum mismatch")
 
 
 def _discard(dir_fd: int, name: str, fd: int) -> None:
@@ -295,7 +390,7 @@ def read_chunk(
         got = _transfer(os.readv, fd, [memoryview(header), *out])
         if got != size:
             raise CorruptChunk(f"read {got} bytes, expected {size}")
-        _check(bytes(header), key, out, layout, chunk_size)
+        check_chunk(header, key, out, layout, chunk_size)
         # The mtime is the recency that eviction orders by; best effort.
         now = time.time_ns()
         with contextlib.suppress(OSError):

@@ -2,7 +2,8 @@
 
 A store holds KV of one layout only. It is fixed by ``connect(layers=...,
 width=..., dtype=...)`` or by the first store, and persisted in
-``layout.json`` so that every process opening the store agrees on it.
+``layout.json`` (a key of the Redis store) so that every process opening
+the store agrees on it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ __all__ = [
     "Layout",
     "dtype_code",
     "dtype_from_code",
+    "encode_layout",
     "load_layout",
+    "parse_layout",
     "publish_layout",
     "resolve_dtype",
 ]
@@ -105,7 +108,38 @@ def dtype_from_code(code: int) -> str | None:
     return _NAMES.get(code)
 
 
-def _parse(raw: bytes, where: str) -> Layout:
+def encode_layout(layout: Layout) -> bytes:
+    """The JSON document a store persists its layout as (``layout.json``, or
+    the Redis store's layout value).
+
+    Args:
+        layout: The layout.
+
+    Returns:
+        UTF-8 JSON with ``layers``, ``width``, ``dtype`` and ``planes``.
+    """
+    doc = {
+        "layers": layout.layers,
+        "width": layout.width,
+        "dtype": layout.dtype.name,
+        "planes": layout.planes,
+    }
+    return json.dumps(doc).encode()
+
+
+def parse_layout(raw: bytes, where: str) -> Layout:
+    """Parse a document written by :func:`encode_layout` (JSON, never pickle).
+
+    Args:
+        raw: The document.
+        where: Where it was read from, for error messages.
+
+    Returns:
+        The layout.
+
+    Raises:
+        KVStoreError: If ``raw`` is not a valid layout document.
+    """
     try:
         doc = json.loads(raw)
         layers, width, name = int(doc["layers"]), int(doc["width"]), doc["dtype"]
@@ -138,7 +172,7 @@ def load_layout(dir_fd: int, where: str) -> Layout | None:
     except OSError as exc:
         raise KVStoreError(f"{where}/{LAYOUT_FILE}: cannot open: {exc}") from exc
     with os.fdopen(fd, "rb") as fh:
-        return _parse(fh.read(4096), f"{where}/{LAYOUT_FILE}")
+        return parse_layout(fh.read(4096), f"{where}/{LAYOUT_FILE}")
 
 
 def publish_layout(dir_fd: int, where: str, layout: Layout) -> Layout:
@@ -159,18 +193,12 @@ def publish_layout(dir_fd: int, where: str, layout: Layout) -> Layout:
     Raises:
         KVStoreError: If the layout cannot be written or read back.
     """
-    doc = {
-        "layers": layout.layers,
-        "width": layout.width,
-        "dtype": layout.dtype.name,
-        "planes": layout.planes,
-    }
     tmp = temp_name()
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
     try:
         fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
         try:
-            os.write(fd, json.dumps(doc).encode())
+            os.write(fd, encode_layout(layout))
         finally:
             os.close(fd)
         try:

@@ -6,7 +6,6 @@ import contextlib
 import os
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Sequence
 from types import TracebackType
@@ -15,9 +14,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lmcache_mp._arrays import as_numpy
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
-from lmcache_mp.errors import CorruptChunkWarning, KVConfigError, KVStoreError
+from lmcache_mp.errors import KVConfigError, KVStoreError
 from lmcache_mp.kv._capacity import Usage
 from lmcache_mp.kv._chunk import (
     CorruptChunk,
@@ -25,6 +23,13 @@ from lmcache_mp.kv._chunk import (
     chunk_views,
     read_chunk,
     write_chunk,
+)
+from lmcache_mp.kv._common import (
+    as_bytes,
+    kv_layout,
+    require_layout,
+    warn_corrupt,
+    warn_unfit,
 )
 from lmcache_mp.kv._files import (
     CHUNK_SUFFIX,
@@ -36,7 +41,7 @@ from lmcache_mp.kv._files import (
     remove_tree,
 )
 from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
-from lmcache_mp.kv._layout import Layout, load_layout, publish_layout, resolve_dtype
+from lmcache_mp.kv._layout import Layout, load_layout, publish_layout
 from lmcache_mp.kv._staged import StagedChunks
 from lmcache_mp.kv._stats import Counters, StoreStats
 
@@ -243,12 +248,7 @@ class SharedMemoryKVStore:
                 fd, self._path, wanted
             )
             self._layout = layout
-        if layout != wanted:
-            raise KVConfigError(
-                f"KV layout {wanted.describe()} does not match the layout "
-                f"{layout.describe()} of store {self._url}"
-            )
-        return layout
+        return require_layout(layout, wanted, self._url)
 
     def retrieve(self, tokens: Tokens, cache_salt: str = "") -> npt.NDArray[Any] | None:
         """Return the KV of the longest cached chunk-aligned prefix of ``tokens``.
@@ -305,12 +305,7 @@ class SharedMemoryKVStore:
                 break
             except CorruptChunk as exc:
                 self._counts.add(corrupt=1)
-                warnings.warn(
-                    f"{self._path}/{name}: corrupt chunk ({exc}); "
-                    "treated as a miss and removed",
-                    CorruptChunkWarning,
-                    stacklevel=2,
-                )
+                warn_corrupt(f"{self._path}/{name}", exc)
                 break
             got += 1
         self._counts.add(hits=got, misses=int(got < len(toks) // size))
@@ -400,15 +395,7 @@ class SharedMemoryKVStore:
     ) -> tuple[bool, list[tuple[str, str]]]:
         """Write the chunks of ``kv``; return whether any was written and the
         (temp, chunk) names of those left unpublished."""
-        arr = as_numpy(kv)
-        toks = token_array(tokens)
-        planes = self._kind.planes
-        if arr.ndim != 4 or arr.shape[0] != planes or arr.shape[2] != len(toks):
-            raise KVConfigError(
-                f"{self._kind.name} has shape {arr.shape}, expected 4-D "
-                f"[{planes}, layers, tokens, width] with {len(toks)} tokens on axis 2"
-            )
-        wanted = Layout(arr.shape[1], arr.shape[3], resolve_dtype(arr.dtype), planes)
+        arr, toks, wanted = kv_layout(kv, tokens, self._kind)
         fd = self._dir_fd()
         layout = self._check_layout(fd, wanted)
         size = self._chunk_size
@@ -432,14 +419,13 @@ class SharedMemoryKVStore:
         )
         self._counts.add(evictions=evicted)
         if fits < len(missing):
-            warnings.warn(
-                f"store {self._url}: {len(missing) - fits} of {len(missing)} new "
-                f"chunks do not fit in its capacity of {self._usage.capacity} bytes; "
-                "not stored",
-                RuntimeWarning,
-                stacklevel=2,
+            warn_unfit(
+                self._url,
+                len(missing) - fits,
+                len(missing),
+                f"{self._usage.capacity} bytes",
             )
-        raw = np.ascontiguousarray(arr, dtype=layout.dtype).view(np.uint8)
+        raw = as_bytes(arr, layout)
         moves = []
         for index in missing[:fits] + rewrite:
             views = chunk_views(raw, index * size, (index + 1) * size)

@@ -1,0 +1,95 @@
+"""What both store backends share beyond the chunk format: the checks of a
+KV and its layout, and the warnings a store gives.
+
+Kept in one place so that the shared-memory and Redis stores refuse the
+same inputs with the same messages.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lmcache_mp._arrays import as_numpy
+from lmcache_mp.cache_kind import LMCacheSDKCacheKind
+from lmcache_mp.errors import CorruptChunkWarning, KVConfigError
+from lmcache_mp.kv._chunk import CorruptChunk
+from lmcache_mp.kv._keys import Tokens, token_array
+from lmcache_mp.kv._layout import Layout, resolve_dtype
+
+__all__ = ["as_bytes", "kv_layout", "require_layout", "warn_corrupt", "warn_unfit"]
+
+
+def kv_layout(
+    kv: Any, tokens: Tokens, kind: LMCacheSDKCacheKind
+) -> tuple[npt.NDArray[Any], npt.NDArray[np.int64], Layout]:
+    """Check a tensor given to ``store``/``stage`` and return its layout.
+
+    Args:
+        kv: ``[planes, L, len(tokens), D]``: anything ``as_numpy`` accepts.
+        tokens: The token ids it belongs to.
+        kind: The store's kind (fixes ``planes``).
+
+    Returns:
+        ``(array, token ids, layout)``.
+
+    Raises:
+        KVConfigError: If the shape is not ``[planes, L, len(tokens), D]`` or
+            the dtype is not float32/float16/bfloat16.
+        TypeError: If ``kv`` is not an array or ``tokens`` not ints.
+        ValueError: If a token id is negative.
+    """
+    arr = as_numpy(kv)
+    toks = token_array(tokens)
+    planes = kind.planes
+    if arr.ndim != 4 or arr.shape[0] != planes or arr.shape[2] != len(toks):
+        raise KVConfigError(
+            f"{kind.name} has shape {arr.shape}, expected 4-D "
+            f"[{planes}, layers, tokens, width] with {len(toks)} tokens on axis 2"
+        )
+    layout = Layout(arr.shape[1], arr.shape[3], resolve_dtype(arr.dtype), planes)
+    return arr, toks, layout
+
+
+def as_bytes(arr: npt.NDArray[Any], layout: Layout) -> npt.NDArray[np.uint8]:
+    """``arr`` in the store's dtype and C order, viewed as bytes (a copy only
+    when it is not already so), for :func:`~lmcache_mp.kv._chunk.chunk_views`."""
+    return np.ascontiguousarray(arr, dtype=layout.dtype).view(np.uint8)
+
+
+def require_layout(fixed: Layout, wanted: Layout, url: str) -> Layout:
+    """Return ``fixed`` if ``wanted`` is the same layout.
+
+    Raises:
+        KVConfigError: Naming both layouts and the store, if they differ.
+    """
+    if fixed != wanted:
+        raise KVConfigError(
+            f"KV layout {wanted.describe()} does not match the layout "
+            f"{fixed.describe()} of store {url}"
+        )
+    return fixed
+
+
+def warn_corrupt(where: str, exc: CorruptChunk) -> None:
+    """Warn that the chunk at ``where`` failed a check (a retrieve's caller
+    sees the warning at its own call)."""
+    warnings.warn(
+        f"{where}: corrupt chunk ({exc}); treated as a miss and removed",
+        CorruptChunkWarning,
+        stacklevel=3,
+    )
+
+
+def warn_unfit(url: str, unfit: int, total: int, capacity: str) -> None:
+    """Warn that ``unfit`` of ``total`` new chunks were not stored for lack
+    of room (a store's caller sees the warning at its own call)."""
+    warnings.warn(
+        f"store {url}: {unfit} of {total} new chunks do not fit in its capacity "
+        f"of {capacity}; not stored",
+        RuntimeWarning,
+        stacklevel=4,
+    )
