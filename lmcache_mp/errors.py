@@ -20,6 +20,8 @@ __all__ = [
     "CorruptChunkWarning",
     "EngineHTTPError",
     "KVConfigError",
+    "KVStoreAuthError",
+    "KVStoreConnectionError",
     "KVStoreError",
     "KVStoreSecurityError",
     "LMCacheBatchedStreamError",
@@ -190,7 +192,28 @@ class KVStoreError(LMCacheError, OSError):
 
 class KVStoreSecurityError(KVStoreError, PermissionError):
     """Raised when a store directory is not owned by the current user or is
-    accessible to other users (its mode is not 0700)."""
+    accessible to other users (its mode is not 0700), or when a Redis
+    server's ACL refuses a command the store needs (``NOPERM``)."""
+
+
+class KVStoreConnectionError(KVStoreError, ConnectionError):
+    """Raised when a networked store (``redis://``) cannot be reached.
+
+    Raised by ``connect()``, ``ping()`` and any later call when the server
+    refuses the connection, does not answer within the URL's ``timeout``
+    (a few seconds by default; never a hang), or drops the connection. The
+    message names the store's URL with its password masked.
+    """
+
+
+class KVStoreAuthError(KVStoreConnectionError, KVStoreSecurityError):
+    """Raised when a Redis server refuses the store's credentials.
+
+    A wrong password or ACL user, a disabled user, or a server that needs a
+    password the URL does not give. It is both a connection error (no
+    usable connection) and a security error (the server said no); the
+    message says "authentication" and never contains the password.
+    """
 
 
 class KVConfigError(LMCacheError, ValueError):

@@ -1,7 +1,9 @@
-"""KV contexts: the protocol and the embedded shared-memory store."""
+"""KV contexts: the protocol, the embedded shared-memory store, and the
+Redis store (``redis`` itself is imported only when one is first used)."""
 
-from lmcache_mp.kv._connect import connect
+from lmcache_mp.kv._connect import KVStore, connect
 from lmcache_mp.kv._protocol import KVContext
+from lmcache_mp.kv._redis import RedisKVStore
 from lmcache_mp.kv._shm import (
     DEFAULT_CHUNK_SIZE,
     SharedMemoryKVStore,
@@ -12,6 +14,8 @@ from lmcache_mp.kv._stats import StoreStats
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "KVContext",
+    "KVStore",
+    "RedisKVStore",
     "SharedMemoryKVStore",
     "StagedChunks",
     "StoreStats",

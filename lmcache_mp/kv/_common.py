@@ -20,7 +20,25 @@ from lmcache_mp.kv._chunk import CorruptChunk
 from lmcache_mp.kv._keys import Tokens, token_array
 from lmcache_mp.kv._layout import Layout, resolve_dtype
 
-__all__ = ["as_bytes", "kv_layout", "require_layout", "warn_corrupt", "warn_unfit"]
+__all__ = [
+    "as_bytes",
+    "check_positive",
+    "join_payloads",
+    "kv_layout",
+    "require_layout",
+    "warn_corrupt",
+    "warn_unfit",
+]
+
+
+def check_positive(label: str, value: object) -> None:
+    """Refuse a store parameter (chunk size, capacity) that is not an int >= 1.
+
+    Raises:
+        KVConfigError: Naming ``label`` and the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise KVConfigError(f"{label} must be a positive int, got {value!r}")
 
 
 def kv_layout(
@@ -60,6 +78,28 @@ def as_bytes(arr: npt.NDArray[Any], layout: Layout) -> npt.NDArray[np.uint8]:
     return np.ascontiguousarray(arr, dtype=layout.dtype).view(np.uint8)
 
 
+def join_payloads(
+    payloads: list[memoryview], layout: Layout, chunk_size: int
+) -> npt.NDArray[Any]:
+    """Copy consecutive chunk payloads into one new ``[P, L, T, D]`` array.
+
+    Args:
+        payloads: Each chunk's payload bytes (``[P, L, chunk_size, D]``).
+        layout: The store's layout.
+        chunk_size: The store's chunk size.
+
+    Returns:
+        A C-contiguous array of ``len(payloads) * chunk_size`` tokens.
+    """
+    shape = (layout.planes, layout.layers, chunk_size, layout.width)
+    tokens = len(payloads) * chunk_size
+    out = np.empty((*shape[:2], tokens, layout.width), layout.dtype)
+    for index, payload in enumerate(payloads):
+        chunk = np.frombuffer(payload, layout.dtype).reshape(shape)
+        out[:, :, index * chunk_size : (index + 1) * chunk_size] = chunk
+    return out
+
+
 def require_layout(fixed: Layout, wanted: Layout, url: str) -> Layout:
     """Return ``fixed`` if ``wanted`` is the same layout.
 
@@ -74,13 +114,19 @@ def require_layout(fixed: Layout, wanted: Layout, url: str) -> Layout:
     return fixed
 
 
-def warn_corrupt(where: str, exc: CorruptChunk) -> None:
-    """Warn that the chunk at ``where`` failed a check (a retrieve's caller
-    sees the warning at its own call)."""
+def warn_corrupt(where: str, exc: CorruptChunk, stacklevel: int = 3) -> None:
+    """Warn that the chunk at ``where`` failed a check.
+
+    Args:
+        where: The chunk's file or key.
+        exc: What failed.
+        stacklevel: As ``warnings.warn``, counted from here: the default
+            points at the caller of the public method that called this.
+    """
     warnings.warn(
         f"{where}: corrupt chunk ({exc}); treated as a miss and removed",
         CorruptChunkWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
 
 

@@ -8,7 +8,7 @@ import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias, overload
 from urllib.parse import SplitResult, urlsplit
 
 from lmcache_mp._paths import shm_root
@@ -16,9 +16,14 @@ from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVConfigError
 from lmcache_mp.kv._capacity import default_capacity
 from lmcache_mp.kv._layout import Layout, resolve_dtype
+from lmcache_mp.kv._redis import RedisKVStore
 from lmcache_mp.kv._shm import DEFAULT_CHUNK_SIZE, SharedMemoryKVStore
 
-__all__ = ["connect"]
+__all__ = ["KVStore", "connect"]
+
+#: What ``connect`` opens: a store of one of the backends. Both have the
+#: same surface (retrieve, store, stage, for_kind, stats, close, destroy...).
+KVStore: TypeAlias = SharedMemoryKVStore | RedisKVStore
 
 # Store directories are named "lmcache-mp-<user>-<name>": per user, and
 # easy to find for leak checks.
@@ -86,10 +91,22 @@ def _open_file(parts: SplitResult, url: str, options: _Options) -> SharedMemoryK
     return _open_dir(path, f"file://{path}", options)
 
 
+def _open_redis(parts: SplitResult, url: str, options: _Options) -> RedisKVStore:
+    if options.capacity_bytes is not None:
+        raise KVConfigError(
+            "a Redis store's capacity is its server's maxmemory; set it there "
+            "(CONFIG SET maxmemory BYTES), not with capacity_bytes"
+        )
+    store = RedisKVStore(url, chunk_size=options.chunk_size)
+    store._attach(options.layout)
+    return store
+
+
 #: Scheme -> opener of a store for a parsed URL. Another backend is one more
 #: entry here, returning its own KVContext.
-_OPENERS: dict[str, Callable[[SplitResult, str, _Options], SharedMemoryKVStore]] = {
+_OPENERS: dict[str, Callable[[SplitResult, str, _Options], KVStore]] = {
     "file": _open_file,
+    "redis": _open_redis,
     "shm": _open_shm,
 }
 
@@ -111,6 +128,32 @@ def _layout_arg(
     return Layout(layers, width, resolve_dtype(dtype), planes)
 
 
+@overload
+def connect(
+    url: None = None,
+    *,
+    chunk_size: int = ...,
+    layers: int | None = ...,
+    width: int | None = ...,
+    dtype: Any = ...,
+    capacity_bytes: int | None = ...,
+    kind: LMCacheSDKCacheKind = ...,
+) -> SharedMemoryKVStore: ...
+
+
+@overload
+def connect(
+    url: str,
+    *,
+    chunk_size: int = ...,
+    layers: int | None = ...,
+    width: int | None = ...,
+    dtype: Any = ...,
+    capacity_bytes: int | None = ...,
+    kind: LMCacheSDKCacheKind = ...,
+) -> KVStore: ...
+
+
 def connect(
     url: str | None = None,
     *,
@@ -120,8 +163,8 @@ def connect(
     dtype: Any = None,
     capacity_bytes: int | None = None,
     kind: LMCacheSDKCacheKind = LMCacheSDKCacheKind.KV,
-) -> SharedMemoryKVStore:
-    """Open an embedded shared-memory KV store.
+) -> KVStore:
+    """Open a KV store: the embedded shared-memory one, or one on Redis.
 
     With no URL, a fresh temporary store is created, owned by the returned
     context: closing it (or leaving its ``with`` block), garbage collecting
@@ -129,10 +172,15 @@ def connect(
     creates the named store under ``/dev/shm`` (the temp directory where
     there is none), which any process of the same user can open by name;
     it lasts until ``destroy()``. ``file:///PATH`` does the same in a
-    directory of your choice.
+    directory of your choice. ``redis://`` opens a
+    :class:`~lmcache_mp.kv.RedisKVStore` with the same semantics, shared by
+    every host that reaches the server (needs ``lmcache-mp[redis]``).
 
     Args:
-        url: ``None``, ``"shm:///NAME"`` or ``"file:///PATH"``.
+        url: ``None``, ``"shm:///NAME"``, ``"file:///PATH"`` or
+            ``"redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?prefix=NAME&
+            timeout=SECONDS]"`` (prefix default ``lmcache-mp``: the store's
+            namespace on the server; timeout default 5 s, for every call).
         chunk_size: Tokens per chunk.
         layers: Layers ``L`` of the KV; with ``width`` and ``dtype`` fixes
             the store's layout now (otherwise the first store does).
@@ -140,7 +188,8 @@ def connect(
         dtype: ``float32``, ``float16`` or ``bfloat16`` (needs ml_dtypes).
         capacity_bytes: Chunk bytes kept before least recently used chunks
             are evicted; default a quarter of the free RAM or of the free
-            space of the store's filesystem, whichever is smaller.
+            space of the store's filesystem, whichever is smaller. Not for
+            Redis, whose ``maxmemory`` is the capacity.
         kind: The tensor family of the returned context: ``KV`` or
             ``QUERY`` (the named store's query namespace, as
             :meth:`SharedMemoryKVStore.for_kind`; the layout arguments
@@ -152,8 +201,13 @@ def connect(
     Raises:
         KVConfigError: For an unsupported scheme or malformed URL, a bad
             chunk size, capacity or layout, a layout that differs from the
-            one the named store already has, or a kind other than KV for a
-            temporary store (it has no name for other handles to share).
+            one the named store already has, a kind other than KV for a
+            temporary store (it has no name for other handles to share), a
+            Redis server whose ``maxmemory-policy`` does not evict by use,
+            or ``redis://`` without the redis package.
+        KVStoreAuthError: If the Redis server refuses the credentials.
+        KVStoreConnectionError: If the Redis server is down or does not
+            answer within the timeout.
         KVStoreSecurityError: If the directory is a symlink, not owned by
             the current user, or open to other users.
         KVStoreError: If the directory cannot be created or opened.

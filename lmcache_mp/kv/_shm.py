@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
-from lmcache_mp.errors import KVConfigError, KVStoreError
+from lmcache_mp.errors import KVStoreError
 from lmcache_mp.kv._capacity import Usage
 from lmcache_mp.kv._chunk import (
     CorruptChunk,
@@ -26,6 +26,7 @@ from lmcache_mp.kv._chunk import (
 )
 from lmcache_mp.kv._common import (
     as_bytes,
+    check_positive,
     kv_layout,
     require_layout,
     warn_corrupt,
@@ -99,12 +100,8 @@ class SharedMemoryKVStore:
         owner: bool = False,
         kind: LMCacheSDKCacheKind = LMCacheSDKCacheKind.KV,
     ) -> None:
-        for label, value in (
-            ("chunk_size", chunk_size),
-            ("capacity_bytes", capacity_bytes),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise KVConfigError(f"{label} must be a positive int, got {value!r}")
+        check_positive("chunk_size", chunk_size)
+        check_positive("capacity_bytes", capacity_bytes)
         self._path = path
         self._url = url
         self._chunk_size = chunk_size
@@ -461,7 +458,11 @@ class SharedMemoryKVStore:
             KVStoreError: If the store is closed.
         """
         entries = list_chunks(self._dir_fd())
-        return self._counts.snapshot(len(entries), sum(e.size for e in entries))
+        return self._counts.snapshot(
+            len(entries),
+            sum(e.size for e in entries),
+            capacity_bytes=self._usage.capacity,
+        )
 
     def close(self) -> None:
         """Release the directory; remove it if this handle owns it.

@@ -2,40 +2,53 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from lmcache_mp.kv._shm import SharedMemoryKVStore
+from typing import Protocol
 
 __all__ = ["StagedChunks"]
 
 
+class _Stager(Protocol):
+    """What a store that stages offers its staged chunks (both backends)."""
+
+    def _publish(self, moves: Sequence[tuple[str, str]], keep: bool) -> None:
+        """Move staged chunks onto their chunks (``keep``) or drop them."""
+
+
 @dataclass(frozen=True)
 class StagedChunks:
-    """Chunks written aside by :meth:`SharedMemoryKVStore.stage`.
+    """Chunks written aside by a store's ``stage`` (shared-memory or Redis).
 
     Pickles by the store's location, so a worker can stage and the parent
     commit. :meth:`commit` and :meth:`discard` are each safe to call twice.
 
     Args:
         store: The store the chunks belong to.
-        moves: ``(temp file, chunk file)`` names in the store's directory.
+        moves: ``(staged, chunk)`` names: temp and chunk files in the
+            shared-memory store's directory, or staged and chunk keys in
+            the Redis store.
     """
 
-    store: SharedMemoryKVStore
+    store: _Stager
     moves: tuple[tuple[str, str], ...]
 
     def commit(self) -> None:
-        """Replace the cached chunks with the staged ones (each atomically).
+        """Replace the cached chunks with the staged ones.
+
+        The shared-memory store renames each file atomically; the Redis
+        store moves them all in one transaction, so a reader sees the old
+        stream or the new one, never a mix.
 
         Raises:
-            KVStoreError: If the store is closed or gone.
+            KVStoreError: If the store is closed or gone, or (Redis) a staged
+                chunk expired or was evicted before the commit; the cached
+                chunks are then left as they were.
         """
         self.store._publish(self.moves, keep=True)
 
     def discard(self) -> None:
-        """Remove the staged files; the cached chunks stay as they were.
+        """Remove the staged chunks; the cached chunks stay as they were.
 
         Raises:
             KVStoreError: If the store is closed or gone.

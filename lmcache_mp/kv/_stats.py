@@ -12,19 +12,28 @@ __all__ = ["Counters", "StoreStats"]
 class StoreStats:
     """A snapshot of a store.
 
-    ``chunks`` and ``bytes`` describe the whole store as it is on disk,
-    shared by every process. The other counts are this process handle's
-    own, since it was connected or unpickled: each chunk lookup is a hit or
-    a miss, and a retrieve stops looking at its first miss.
+    ``chunks`` and ``bytes`` describe the whole store (this kind's
+    namespace) as it is now, shared by every process. The other counts are
+    this process handle's own, since it was connected or unpickled: each
+    chunk lookup is a hit or a miss, and a retrieve stops looking at its
+    first miss.
 
     Attributes:
-        chunks: Chunk files in the store.
+        chunks: Chunks in the store (files, or Redis values).
         bytes: Their total size, headers included.
         hits: Chunks this handle found and returned.
         misses: Lookups by this handle that found no valid chunk.
-        evictions: Chunks this handle removed to make room.
+        evictions: Shared-memory store: chunks this handle removed to make
+            room. Redis store: keys the server evicted since this handle
+            connected (its ``evicted_keys``; the server does not say whose,
+            so this counts every key it evicted).
         writes: Chunks this handle wrote.
         corrupt: Chunks this handle found corrupt (and removed).
+        capacity_bytes: Bytes kept before least recently used chunks are
+            evicted: the store's capacity, or the Redis server's
+            ``maxmemory``; 0 means unbounded (a Redis server without
+            ``maxmemory`` never evicts) or, where the server's ACL hides
+            it, unknown.
     """
 
     chunks: int
@@ -34,6 +43,7 @@ class StoreStats:
     evictions: int
     writes: int
     corrupt: int
+    capacity_bytes: int = 0
 
 
 class Counters:
@@ -51,7 +61,27 @@ class Counters:
             for name, delta in deltas.items():
                 self._counts[name] += delta
 
-    def snapshot(self, chunks: int, size: int) -> StoreStats:
-        """The counts with the store's current ``chunks`` and bytes."""
+    def snapshot(
+        self,
+        chunks: int,
+        size: int,
+        *,
+        capacity_bytes: int = 0,
+        evictions: int | None = None,
+    ) -> StoreStats:
+        """The counts with the store's current ``chunks``, bytes and capacity.
+
+        Args:
+            chunks: Chunks in the store.
+            size: Their bytes.
+            capacity_bytes: The store's capacity (0: unbounded or unknown).
+            evictions: The evictions to report instead of this handle's own
+                count (a server that evicts by itself counts them).
+        """
         with self._lock:
-            return StoreStats(chunks=chunks, bytes=size, **self._counts)
+            counts = dict(self._counts)
+        if evictions is not None:
+            counts["evictions"] = evictions
+        return StoreStats(
+            chunks=chunks, bytes=size, capacity_bytes=capacity_bytes, **counts
+        )

@@ -34,7 +34,7 @@ from lmcache_mp.engine._embedded import EmbeddedEngine
 from lmcache_mp.engine.http._handler import HTTPServer
 from lmcache_mp.engine.http._server import logger
 from lmcache_mp.errors import LMCacheError
-from lmcache_mp.kv import DEFAULT_CHUNK_SIZE, SharedMemoryKVStore, connect
+from lmcache_mp.kv import DEFAULT_CHUNK_SIZE, KVStore, connect
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -79,7 +79,7 @@ class EngineServer:
         port: int = 8000,
         model_name: str = DEFAULT_MODEL_NAME,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        store: SharedMemoryKVStore | None = None,
+        store: KVStore | None = None,
     ) -> None:
         if not isinstance(model_name, str) or not model_name:
             raise ValueError(f"model_name must be a non-empty str, got {model_name!r}")

@@ -1,0 +1,473 @@
+"""The Redis KV store: the embedded store's semantics on a Redis server.
+
+Keys, all under the store's prefix (``kind`` is ``kv`` or ``query``)::
+
+    {prefix}:{kind}:layout      the kind's layout (JSON), fixed by SET NX
+    {prefix}:{kind}:c:{key}     a chunk: the chunk-file bytes, key in hex
+    {prefix}:{kind}:tmp:{id}    a staged chunk, expiring after 10 minutes
+    {prefix}:claims:{id}        an executor's claims (executors/_claims.py)
+
+A value is exactly a chunk file of the shared-memory store (header, digest,
+raw payload): it is checked like one and never unpickled. Each chunk is
+written by one SET, so readers never see half of one; eviction is the
+server's (``maxmemory`` with an allkeys LRU/LFU policy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import numpy.typing as npt
+
+from lmcache_mp.cache_kind import LMCacheSDKCacheKind
+from lmcache_mp.errors import KVStoreError
+from lmcache_mp.kv._chunk import CorruptChunk, chunk_views, encode_chunk
+from lmcache_mp.kv._common import (
+    as_bytes,
+    check_positive,
+    join_payloads,
+    kv_layout,
+    warn_corrupt,
+    warn_unfit,
+)
+from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
+from lmcache_mp.kv._layout import Layout, encode_layout
+from lmcache_mp.kv._redis_conn import (
+    RedisLink,
+    RedisTarget,
+    check_policy,
+    server_memory,
+)
+from lmcache_mp.kv._redis_ops import (
+    KnownLayout,
+    chunk_bytes,
+    delete_matching,
+    drop_if_same,
+    fetch,
+    holds_staged,
+    move_all,
+    plan_writes,
+    probe,
+    set_values,
+    stage_values,
+    valid_prefix,
+)
+from lmcache_mp.kv._shm import DEFAULT_CHUNK_SIZE
+from lmcache_mp.kv._staged import StagedChunks
+from lmcache_mp.kv._stats import Counters, StoreStats
+
+if TYPE_CHECKING:
+    import redis
+
+__all__ = ["RedisKVStore"]
+
+
+def _reopen(url: str, chunk_size: int, kind: LMCacheSDKCacheKind) -> RedisKVStore:
+    return RedisKVStore(url, chunk_size=chunk_size, kind=kind)
+
+
+class RedisKVStore:
+    """A KV context whose chunks are values on a Redis server.
+
+    The semantics of :class:`~lmcache_mp.kv.SharedMemoryKVStore` (salted
+    prefix-chained keys, checksummed chunks, kinds, staging), shared by
+    every process on every host that reaches the server. Usually made by
+    ``lmcache_mp.kv.connect("redis://...")``, which also checks the server.
+    Thread-safe.
+
+    It pickles by URL, password included (treat the pickle as a secret);
+    the copy connects lazily, on one connection pool per process.
+
+    Args:
+        url: ``redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?prefix=NAME&
+            timeout=SECONDS]``; prefix default ``lmcache-mp``, timeout 5 s.
+        chunk_size: Tokens per chunk.
+        kind: The tensor family it caches (see :meth:`for_kind`).
+
+    Raises:
+        KVConfigError: If the URL is malformed or ``chunk_size`` is not a
+            positive int.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        kind: LMCacheSDKCacheKind = LMCacheSDKCacheKind.KV,
+    ) -> None:
+        check_positive("chunk_size", chunk_size)
+        target = RedisTarget.parse(url)
+        self._fragment = "" if kind is LMCacheSDKCacheKind.KV else f"#{kind.value}"
+        self._link = RedisLink(target, target.url(secret=False) + self._fragment)
+        self._chunk_size = chunk_size
+        self._kind = kind
+        self._layout = KnownLayout(f"{self._link.where} {self._key()}")
+        self._counts = Counters()
+
+    @property
+    def url(self) -> str:
+        """The URL that opens this store, password included (``repr`` and
+        error messages mask it); ``#query`` marks the query namespace."""
+        return self._link.target.url(secret=True) + self._fragment
+
+    @property
+    def kind(self) -> LMCacheSDKCacheKind:
+        """The tensor family this context caches (upstream's ``ctx.kind``)."""
+        return self._kind
+
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per chunk; retrieved prefixes are multiples of it."""
+        return self._chunk_size
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The server's ``maxmemory``, read now: bytes before it evicts least
+        recently used keys. 0 means unbounded (no ``maxmemory``: the server
+        never evicts), or unknown where its ACL refuses CONFIG and INFO.
+
+        Raises:
+            KVStoreConnectionError: If the server cannot be reached.
+        """
+        with self._link.errors():
+            return server_memory(self._link.open_client()).maxmemory
+
+    @property
+    def layout(self) -> Layout | None:
+        """``(layers, width, dtype, planes)`` of the stored tensors; ``None``
+        until fixed."""
+        if self._layout.layout is None and not self._link.closed:
+            with self._link.errors():
+                raw = fetch(self._link.open_client(), [self._key()])[0]
+            self._layout.adopt(raw)
+        return self._layout.layout
+
+    def __repr__(self) -> str:
+        return (
+            f"RedisKVStore(url={self._link.where!r}, kind={self._kind.name}, "
+            f"chunk_size={self._chunk_size})"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        url = self._link.target.url(secret=True)
+        return (_reopen, (url, self._chunk_size, self._kind))
+
+    def __enter__(self) -> RedisKVStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _key(self, *parts: str) -> str:
+        """A key of this kind's namespace; no parts: its layout's key."""
+        return ":".join(
+            (self._link.target.prefix, self._kind.value, *(parts or ("layout",)))
+        )
+
+    def _chunk_key(self, key: bytes) -> str:
+        return self._key("c", key.hex())
+
+    def _claims_key(self, name: str) -> str:
+        """A key for an executor's claims: in the prefix (``destroy``
+        removes it), outside every kind's namespace."""
+        return f"{self._link.target.prefix}:claims:{name}"
+
+    def _redis(self) -> redis.Redis:
+        """This process's client of the server (executors' claims use it)."""
+        return self._link.client()
+
+    def ping(self) -> None:
+        """Check that the server answers and accepts the credentials (a
+        batch calls this when a phase starts).
+
+        Raises:
+            KVStoreAuthError: If it refuses the user or password.
+            KVStoreConnectionError: If it is down or does not answer in time.
+            KVStoreError: If the store is closed.
+        """
+        with self._link.errors():
+            self._link.open_client().ping()
+
+    def _attach(self, layout: Layout | None) -> None:
+        """Connect now (``connect``): check the server and fix ``layout``."""
+        with self._link.errors():
+            conn = self._link.open_client()
+            conn.ping()
+            memory = server_memory(conn)
+        check_policy(memory, self._link.where)
+        if layout is not None:
+            self._check_layout(layout)
+
+    def for_kind(self, kind: LMCacheSDKCacheKind) -> RedisKVStore:
+        """Open the context of another tensor family in this store.
+
+        Each kind has its own keys under the prefix, with the same chunk
+        semantics; its layout is fixed by its first store. ``destroy`` of
+        the KV context removes every kind.
+
+        Args:
+            kind: The family; ``self.kind`` gives an equal new handle.
+
+        Returns:
+            A handle on that kind's namespace, on the same connection pool.
+
+        Raises:
+            KVStoreError: If this handle is closed.
+        """
+        return self._open_kind(kind, None)
+
+    def _open_kind(
+        self, kind: LMCacheSDKCacheKind, layout: Layout | None
+    ) -> RedisKVStore:
+        """:meth:`for_kind`, fixing (or checking) that kind's ``layout``."""
+        if self._link.closed:
+            raise KVStoreError(f"{self._link.where}: the store is closed")
+        url = self._link.target.url(secret=True)
+        store = RedisKVStore(url, chunk_size=self._chunk_size, kind=kind)
+        if layout is not None:
+            store._check_layout(layout)
+        return store
+
+    def _check_layout(self, wanted: Layout) -> Layout:
+        """Fix ``wanted`` as the layout unless one is; raise if it differs."""
+        with self._link.errors():
+            conn = self._link.open_client()
+            raw, _ = probe(conn, self._key(), encode_layout(wanted), [])
+        return self._layout.agree(raw, wanted, self._link.where)
+
+    def retrieve(self, tokens: Tokens, cache_salt: str = "") -> npt.NDArray[Any] | None:
+        """Return the KV of the longest cached chunk-aligned prefix of ``tokens``.
+
+        The layout and every candidate chunk come in one round trip (MGET,
+        which also refreshes their recency). A chunk that fails its checks
+        is removed and ends the prefix, with a
+        :class:`~lmcache_mp.errors.CorruptChunkWarning`.
+
+        Args:
+            tokens: The token ids whose KV is wanted.
+            cache_salt: Isolation salt; KV stored under another salt is never
+                returned.
+
+        Returns:
+            A new contiguous ``[P, L, T, D]`` array (``P`` 2 for KV, 1 for
+            queries) with ``T`` a multiple of ``chunk_size``, or ``None``
+            when the first chunk is not cached.
+
+        Raises:
+            TypeError: If ``tokens`` are not ints or ``cache_salt`` not a str.
+            ValueError: If a token id is negative.
+            KVStoreConnectionError: If the server cannot be reached.
+            KVStoreError: If the store is closed or the server fails.
+        """
+        size = self._chunk_size
+        keys = list(chunk_keys(token_array(tokens), size, cache_salt))
+        if not keys:
+            return None
+        with self._link.errors():
+            conn = self._link.open_client()
+            values = fetch(conn, [self._key(), *map(self._chunk_key, keys)])
+        layout = self._layout.adopt(values[0])
+        found: list[memoryview] = []
+        if layout is not None:
+            found, bad = valid_prefix(keys, values[1:], layout, size)
+            if bad is not None:
+                self._counts.add(corrupt=1)
+                name = self._chunk_key(keys[len(found)])
+                with self._link.errors():
+                    drop_if_same(conn, name, bad[0])
+                warn_corrupt(f"{self._link.where} {name}", bad[1])
+        self._counts.add(hits=len(found), misses=int(len(found) < len(keys)))
+        if layout is None or not found:
+            return None
+        return join_payloads(found, layout, size)
+
+    def store(
+        self, kv: Any, tokens: Tokens, cache_salt: str = "", *, overwrite: bool = False
+    ) -> bool:
+        """Store every full chunk of ``kv`` that is not cached yet.
+
+        Chunks already cached count as used (TOUCH, for the server's LRU);
+        new ones are written with SET NX, each atomically. Chunks the
+        server refuses for lack of memory (after evicting what it can) are
+        not stored, with a ``RuntimeWarning``. A value at a chunk's key that
+        is not a string (planted) is replaced, as a corrupt chunk.
+
+        Args:
+            kv: ``[2, L, len(tokens), D]`` (``[1, ...]`` for queries): a numpy
+                array, a torch tensor or anything ``np.asarray`` accepts; a
+                sub-chunk tail is not stored.
+            tokens: The token ids the KV belongs to.
+            cache_salt: Isolation salt.
+            overwrite: Also replace the chunks already cached (each one
+                atomically; one the server refuses is removed, so that no
+                prefix mixes old and new chunks).
+
+        Returns:
+            Whether any chunk was written.
+
+        Raises:
+            KVConfigError: If ``kv`` has the wrong shape or dtype, or its
+                layout differs from the store's.
+            TypeError: If ``kv`` is not an array, ``tokens`` not ints or
+                ``cache_salt`` not a str.
+            ValueError: If a token id is negative.
+            KVStoreConnectionError: If the server cannot be reached.
+            KVStoreError: If the store is closed or the server fails.
+        """
+        written, _ = self._write(kv, tokens, cache_salt, overwrite, staged=False)
+        return written > 0
+
+    def stage(self, kv: Any, tokens: Tokens, cache_salt: str = "") -> StagedChunks:
+        """Write every full chunk of ``kv`` aside, to replace the cached ones
+        only when the returned handle is committed.
+
+        Staged values expire after 10 minutes, so a dead worker's staging
+        vanishes by itself. :meth:`StagedChunks.commit` moves them all onto
+        their chunks in one transaction.
+
+        Args:
+            kv: As :meth:`store`.
+            tokens: The token ids the KV belongs to.
+            cache_salt: Isolation salt.
+
+        Returns:
+            The staged chunks; they pickle by the store's URL.
+
+        Raises:
+            KVConfigError: As :meth:`store`.
+            KVStoreError: If the store is closed, or the server fails or
+                cannot hold every staged chunk (nothing is staged then).
+        """
+        _, moves = self._write(kv, tokens, cache_salt, True, staged=True)
+        return StagedChunks(self, tuple(moves))
+
+    def _write(
+        self, kv: Any, tokens: Tokens, salt: str, overwrite: bool, *, staged: bool
+    ) -> tuple[int, list[tuple[str, str]]]:
+        """Write the chunks of ``kv``: return how many were written, and the
+        ``(staged key, chunk key)`` moves when ``staged``."""
+        arr, toks, wanted = kv_layout(kv, tokens, self._kind)
+        size = self._chunk_size
+        keys = list(chunk_keys(toks, size, salt))
+        names = [self._chunk_key(key) for key in keys]
+        with self._link.errors():
+            conn = self._link.open_client()
+            raw_layout, types = probe(conn, self._key(), encode_layout(wanted), names)
+        layout = self._layout.agree(raw_layout, wanted, self._link.where)
+        todo, missing, planted = plan_writes(types, staged or overwrite)
+        for i in planted:
+            self._counts.add(corrupt=1)
+            bad = CorruptChunk(f"a Redis {types[i].decode()}, not a string")
+            warn_corrupt(f"{self._link.where} {names[i]}", bad)
+        raw = as_bytes(arr, layout)
+        values = {
+            names[i]: encode_chunk(
+                keys[i], chunk_views(raw, i * size, (i + 1) * size), layout, size
+            )
+            for i in todo
+        }
+        with self._link.errors():
+            if staged:
+                moves = stage_values(conn, self._key("tmp"), list(values.items()))
+                self._counts.add(writes=len(moves))
+                return len(moves), moves
+            nx = {names[i] for i in missing}
+            items = [(name, value, name in nx) for name, value in values.items()]
+            written, refused = set_values(conn, items)
+        self._counts.add(writes=written)
+        if refused:
+            capacity = f"{self.capacity_bytes} bytes (the server's maxmemory)"
+            warn_unfit(self._link.where, refused, len(todo), capacity)
+        return written, []
+
+    def _publish(self, moves: Sequence[tuple[str, str]], keep: bool) -> None:
+        """Move staged chunks onto their chunks in one transaction (``keep``),
+        or delete them; each is a no-op the second time.
+
+        Raises:
+            KVStoreError: If a staged chunk expired or was evicted before the
+                commit: the cached chunks are left as they were, and the
+                rest of the staging is deleted.
+        """
+        if not moves:
+            return
+        with self._link.errors():
+            conn = self._link.open_client()
+            present = move_all(conn, moves) if keep else 0
+            if present == len(moves) or (keep and holds_staged(conn, moves)):
+                return
+            conn.delete(*(tmp for tmp, _ in moves))
+        if keep:
+            raise KVStoreError(
+                f"{self._link.where}: {len(moves) - present} of {len(moves)} "
+                "staged chunks expired or were evicted before the commit; the "
+                "cached chunks are unchanged"
+            )
+
+    def sweep(self) -> int:
+        """Nothing to remove: a chunk write is one SET (never half done), and
+        a dead writer's staged chunks expire by themselves.
+
+        Returns:
+            0.
+
+        Raises:
+            KVStoreError: If the store is closed.
+        """
+        with self._link.errors():
+            self._link.open_client()
+        return 0
+
+    def stats(self) -> StoreStats:
+        """Return this kind's chunks and bytes, the server's capacity, the
+        keys it evicted since this handle connected, and this handle's
+        counters.
+
+        Raises:
+            KVStoreConnectionError: If the server cannot be reached.
+            KVStoreError: If the store is closed or the server fails.
+        """
+        with self._link.errors():
+            conn = self._link.open_client()
+            sizes = chunk_bytes(conn, self._key("c", "*"))
+            capacity = server_memory(conn).maxmemory
+            evictions = self._link.evictions(conn)
+        return self._counts.snapshot(
+            len(sizes), sum(sizes), capacity_bytes=capacity, evictions=evictions
+        )
+
+    def close(self) -> None:
+        """Stop using the server through this handle; the store stays.
+
+        Idempotent. A closed handle raises :class:`KVStoreError` when used;
+        the process's connection pool stays for its other handles.
+        """
+        self._link.closed = True
+
+    def destroy(self) -> None:
+        """Close this handle and delete the store's keys. Idempotent.
+
+        The KV context deletes every key of its prefix (every kind, staged
+        chunks, claims); another kind's context deletes that kind's keys
+        (as the shared-memory store removes that kind's directory).
+
+        Raises:
+            KVStoreConnectionError: If the server cannot be reached.
+            KVStoreError: If the server fails.
+        """
+        self.close()
+        prefix = self._link.target.prefix
+        if self._kind is LMCacheSDKCacheKind.KV:
+            pattern = f"{prefix}:*"
+        else:
+            pattern = self._key("*")
+        with self._link.errors():
+            delete_matching(self._link.client(), pattern)
