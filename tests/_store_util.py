@@ -1,4 +1,5 @@
-"""Helpers for the shared-memory store tests: a tracking factory, KVs, files."""
+"""Helpers for the store tests: a tracking factory, KVs, and raw access to
+the chunks of either backend (files, or Redis values)."""
 
 from __future__ import annotations
 
@@ -9,34 +10,42 @@ from typing import Any
 
 import numpy as np
 
-from lmcache_mp.kv import SharedMemoryKVStore, connect
-from lmcache_mp.kv._files import CHUNK_SUFFIX, TEMP_PREFIX
+from lmcache_mp.kv import KVStore, RedisKVStore, SharedMemoryKVStore, connect
+from lmcache_mp.kv._files import CHUNK_SUFFIX, TEMP_PREFIX, temp_name
+from lmcache_mp.kv._keys import chunk_keys, token_array
 
 
 class StoreFactory:
     """Connects stores and destroys every one of them at teardown."""
 
     def __init__(self) -> None:
-        self.made: list[SharedMemoryKVStore] = []
+        self.made: list[Any] = []
 
-    def connect(self, url: str | None = None, **kwargs: Any) -> SharedMemoryKVStore:
-        """``lmcache_mp.kv.connect``, remembered for teardown."""
+    def connect(self, url: str | None = None, **kwargs: Any) -> Any:
+        """``lmcache_mp.kv.connect``, remembered for teardown (typed Any: the
+        tests use either backend's own attributes)."""
         return self.track(connect(url, **kwargs))
 
     def named(self, **kwargs: Any) -> SharedMemoryKVStore:
         """Connect a named store with a fresh unique name."""
-        return self.connect(unique_url(), **kwargs)
+        ctx: SharedMemoryKVStore = self.connect(unique_url(), **kwargs)
+        return ctx
 
-    def track(self, ctx: SharedMemoryKVStore) -> SharedMemoryKVStore:
+    def track(self, ctx: Any) -> Any:
         """Remember a store made elsewhere (e.g. unpickled) for teardown."""
         self.made.append(ctx)
         return ctx
 
     def destroy_all(self) -> None:
-        """Destroy every store made and check that its directory is gone."""
+        """Destroy every store made and check that its directory is gone
+        (the keys of a Redis store are checked by ``no_redis_leaks``)."""
         for ctx in self.made:
             ctx.destroy()
-        leaked = [ctx.path for ctx in self.made if os.path.lexists(ctx.path)]
+        leaked = [
+            ctx.path
+            for ctx in self.made
+            if isinstance(ctx, SharedMemoryKVStore) and os.path.lexists(ctx.path)
+        ]
         assert not leaked, f"store directories left behind: {leaked}"
 
 
@@ -72,3 +81,59 @@ def chunk_paths(ctx: SharedMemoryKVStore) -> list[str]:
 def temp_names(ctx: SharedMemoryKVStore) -> list[str]:
     """The store's temp files (writes in progress or abandoned)."""
     return [n for n in os.listdir(ctx.path) if n.startswith(TEMP_PREFIX)]
+
+
+def staged_names(ctx: KVStore) -> list[str]:
+    """The store's staged chunks: temp files, or Redis staged keys."""
+    if isinstance(ctx, RedisKVStore):
+        return [k.decode() for k in ctx._redis().keys(ctx._key("tmp", "*"))]
+    return temp_names(ctx)
+
+
+class RawChunks:
+    """Direct access to the chunks of ``tokens`` in a store of either
+    backend, by chunk index: what tests damage, forge or move.
+
+    Args:
+        ctx: The store.
+        tokens: The token ids whose chunks are addressed.
+        salt: Their cache salt.
+    """
+
+    def __init__(self, ctx: KVStore, tokens: Sequence[int], salt: str = "") -> None:
+        self.ctx = ctx
+        self.keys = list(chunk_keys(token_array(tokens), ctx.chunk_size, salt))
+
+    def _name(self, index: int) -> str:
+        if isinstance(self.ctx, RedisKVStore):
+            return self.ctx._chunk_key(self.keys[index])
+        return os.path.join(self.ctx.path, self.keys[index].hex() + CHUNK_SUFFIX)
+
+    def get(self, index: int) -> bytes | None:
+        """Chunk ``index``'s bytes, or ``None`` when it is not there."""
+        if isinstance(self.ctx, RedisKVStore):
+            value: bytes | None = self.ctx._redis().get(self._name(index))
+            return value
+        try:
+            with open(self._name(index), "rb") as fh:
+                return fh.read()
+        except FileNotFoundError:
+            return None
+
+    def put(self, index: int, data: bytes) -> None:
+        """Replace chunk ``index`` by ``data`` (atomically, as a writer would)."""
+        if isinstance(self.ctx, RedisKVStore):
+            self.ctx._redis().set(self._name(index), data)
+            return
+        tmp = os.path.join(self.ctx.path, temp_name())
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, self._name(index))
+
+    def put_layout(self, data: bytes) -> None:
+        """Replace the store's layout document by ``data``."""
+        if isinstance(self.ctx, RedisKVStore):
+            self.ctx._redis().set(self.ctx._key(), data)
+            return
+        with open(os.path.join(self.ctx.path, "layout.json"), "wb") as fh:
+            fh.write(data)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import secrets
 import time
 from collections.abc import Iterator
 
@@ -13,6 +14,7 @@ import pytest
 from lmcache_mp._paths import shm_root
 from lmcache_mp.kv import SharedMemoryKVStore, connect
 from tests._fakes import FakeEngine, InMemoryKV
+from tests._redis_server import RedisServer
 from tests._store_util import StoreFactory
 
 #: multiprocessing helpers that live as long as the interpreter, by design.
@@ -106,3 +108,36 @@ def kv() -> InMemoryKV:
 def engine(kv: InMemoryKV) -> FakeEngine:
     """A fake post_completion bound to ``kv``."""
     return FakeEngine(kv)
+
+
+# --- Redis: one real server for the redis:// store tests -----------------
+
+#: The (server, prefix) of each redis_url a test took, for no_redis_leaks.
+_REDIS_PREFIXES = pytest.StashKey[list[tuple[RedisServer, str]]]()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A redis-server (password, 64 MB maxmemory, allkeys-lru) for the session."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(request: pytest.FixtureRequest, redis_server: RedisServer) -> str:
+    """A redis:// URL (password included) whose prefix no other test uses."""
+    prefix = f"test-{secrets.token_hex(6)}"
+    request.node.stash.setdefault(_REDIS_PREFIXES, []).append((redis_server, prefix))
+    return redis_server.url(prefix)
+
+
+@pytest.fixture(autouse=True)
+def no_redis_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that took a redis_url: its stores destroyed, no key outside its prefix.
+
+    Autouse, so that it is set up first and checks last, after every other
+    fixture of the test (``stores`` among them) has destroyed its stores.
+    """
+    yield
+    for server, prefix in request.node.stash.get(_REDIS_PREFIXES, []):
+        server.check_clean(prefix)

@@ -1,4 +1,9 @@
-"""The shared-memory KV store in one process: keys, chunks, layout, lifecycle."""
+"""The KV store in one process: keys, chunks, layout, lifecycle.
+
+Tests taking ``ctx`` or ``store_url`` specify both backends (the
+shared-memory store and the Redis store run each); ``shm_ctx`` tests are
+about the shared-memory store's directory.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from lmcache_mp.errors import CorruptChunkWarning, KVConfigError, KVStoreError
 from lmcache_mp.kv import (
     DEFAULT_CHUNK_SIZE,
     KVContext,
+    KVStore,
     SharedMemoryKVStore,
     StoreStats,
     _chunk,
@@ -27,11 +33,14 @@ from lmcache_mp.kv import (
 )
 from lmcache_mp.kv._chunk import HEADER_SIZE
 from lmcache_mp.kv._layout import Layout
+from tests._redis_server import RedisServer
 from tests._store_util import (
+    RawChunks,
     StoreFactory,
     bits,
     chunk_paths,
     kv_of,
+    staged_names,
     temp_names,
     unique_url,
 )
@@ -40,18 +49,40 @@ C = 4  # chunk size of most tests
 TOKENS = list(range(100, 100 + 3 * C))  # exactly three chunks
 
 
+@pytest.fixture(params=["shm", "redis"])
+def store_url(request: pytest.FixtureRequest, redis_server: RedisServer) -> str:
+    """The URL of a fresh named store, of each backend.
+
+    Takes ``redis_server`` for both, so that the session's server is up
+    before ``no_leaks`` lists the test's child processes.
+    """
+    if request.param == "redis":
+        url: str = request.getfixturevalue("redis_url")
+        return url
+    return unique_url()
+
+
 @pytest.fixture
-def ctx(stores: StoreFactory) -> SharedMemoryKVStore:
-    return stores.connect(chunk_size=C)
+def ctx(store_url: str, stores: StoreFactory) -> KVStore:
+    """A fresh store with 4-token chunks, of each backend."""
+    store: KVStore = stores.connect(store_url, chunk_size=C)
+    return store
 
 
-def test_connect_gives_a_kv_context_in_dev_shm(ctx: SharedMemoryKVStore) -> None:
+@pytest.fixture
+def shm_ctx(stores: StoreFactory) -> SharedMemoryKVStore:
+    """A fresh temporary shared-memory store with 4-token chunks."""
+    store: SharedMemoryKVStore = stores.connect(chunk_size=C)
+    return store
+
+
+def test_connect_gives_a_kv_context_in_dev_shm(shm_ctx: KVStore) -> None:
     """connect() with no URL makes a fresh KVContext under /dev/shm."""
-    assert isinstance(ctx, KVContext)
-    assert ctx.path.startswith("/dev/shm/")
-    assert "lmcache" in os.path.basename(ctx.path)
-    assert ctx.url.startswith("shm:///")
-    assert ctx.chunk_size == C
+    assert isinstance(shm_ctx, KVContext)
+    assert shm_ctx.path.startswith("/dev/shm/")
+    assert "lmcache" in os.path.basename(shm_ctx.path)
+    assert shm_ctx.url.startswith("shm:///")
+    assert shm_ctx.chunk_size == C
     assert DEFAULT_CHUNK_SIZE == 256
 
 
@@ -60,12 +91,12 @@ def test_each_connect_without_url_is_a_new_store(stores: StoreFactory) -> None:
     assert stores.connect().path != stores.connect().path
 
 
-def test_empty_store_retrieves_none(ctx: SharedMemoryKVStore) -> None:
+def test_empty_store_retrieves_none(ctx: KVStore) -> None:
     """Nothing stored: retrieve returns None."""
     assert ctx.retrieve(TOKENS) is None
 
 
-def test_retrieve_returns_longest_cached_prefix(ctx: SharedMemoryKVStore) -> None:
+def test_retrieve_returns_longest_cached_prefix(ctx: KVStore) -> None:
     """Three chunks stored, 3.5 chunks asked: the three chunks come back."""
     kv = kv_of(TOKENS)
     assert ctx.store(kv, TOKENS)
@@ -75,7 +106,7 @@ def test_retrieve_returns_longest_cached_prefix(ctx: SharedMemoryKVStore) -> Non
 
 
 def test_different_second_chunk_returns_first_chunk_only(
-    ctx: SharedMemoryKVStore,
+    ctx: KVStore,
 ) -> None:
     """A prefix that diverges in chunk 2 gets chunk 1 only."""
     kv = kv_of(TOKENS)
@@ -86,13 +117,13 @@ def test_different_second_chunk_returns_first_chunk_only(
     assert np.array_equal(got, kv[:, :, :C])
 
 
-def test_same_chunk_after_different_prefix_misses(ctx: SharedMemoryKVStore) -> None:
+def test_same_chunk_after_different_prefix_misses(ctx: KVStore) -> None:
     """A chunk's key covers its prefix: chunk 2 after another chunk 1 misses."""
     ctx.store(kv_of(TOKENS), TOKENS)
     assert ctx.retrieve([9, 9, 9, 9, *TOKENS[C:]]) is None
 
 
-def test_salts_never_share_chunks(ctx: SharedMemoryKVStore) -> None:
+def test_salts_never_share_chunks(ctx: KVStore) -> None:
     """KV stored under one salt is invisible under another."""
     ctx.store(kv_of(TOKENS), TOKENS, cache_salt="alice")
     assert ctx.retrieve(TOKENS, cache_salt="bob") is None
@@ -100,40 +131,39 @@ def test_salts_never_share_chunks(ctx: SharedMemoryKVStore) -> None:
     assert ctx.retrieve(TOKENS, cache_salt="alice") is not None
 
 
-def test_chunk_sizes_never_share_chunks(stores: StoreFactory) -> None:
+def test_chunk_sizes_never_share_chunks(ctx: KVStore, stores: StoreFactory) -> None:
     """Handles of one store with different chunk sizes see different keys."""
-    url = unique_url()
-    stores.connect(url, chunk_size=C).store(kv_of(TOKENS), TOKENS)
-    assert stores.connect(url, chunk_size=2 * C).retrieve(TOKENS) is None
+    ctx.store(kv_of(TOKENS), TOKENS)
+    assert stores.connect(ctx.url, chunk_size=2 * C).retrieve(TOKENS) is None
 
 
-def test_sub_chunk_tail_is_not_stored(ctx: SharedMemoryKVStore) -> None:
+def test_sub_chunk_tail_is_not_stored(ctx: KVStore) -> None:
     """2.5 chunks stored: two chunk files, and retrieve gives two chunks."""
     toks = TOKENS[: 2 * C + C // 2]
     kv = kv_of(toks)
     ctx.store(kv, toks)
-    assert len(chunk_paths(ctx)) == 2
+    assert ctx.stats().chunks == 2
     got = ctx.retrieve(toks)
     assert got is not None
     assert np.array_equal(got, kv[:, :, : 2 * C])
 
 
-def test_store_of_less_than_a_chunk_returns_false(ctx: SharedMemoryKVStore) -> None:
+def test_store_of_less_than_a_chunk_returns_false(ctx: KVStore) -> None:
     """Fewer tokens than a chunk: nothing to write, store returns False."""
     toks = TOKENS[: C - 1]
     assert ctx.store(kv_of(toks), toks) is False
-    assert chunk_paths(ctx) == []
+    assert ctx.stats().chunks == 0
 
 
 def test_store_returns_false_when_every_chunk_exists(
-    ctx: SharedMemoryKVStore,
+    ctx: KVStore,
 ) -> None:
     """Storing the same chunks again writes nothing and returns False."""
     assert ctx.store(kv_of(TOKENS), TOKENS) is True
     assert ctx.store(kv_of(TOKENS, seed=1), TOKENS) is False
 
 
-def test_overwrite_replaces_cached_chunks(ctx: SharedMemoryKVStore) -> None:
+def test_overwrite_replaces_cached_chunks(ctx: KVStore) -> None:
     """overwrite=True replaces chunks already cached (how same-token edits land)."""
     ctx.store(kv_of(TOKENS), TOKENS)
     edited = kv_of(TOKENS, seed=1)
@@ -143,7 +173,7 @@ def test_overwrite_replaces_cached_chunks(ctx: SharedMemoryKVStore) -> None:
     np.testing.assert_array_equal(bits(got), bits(edited[:, :, : got.shape[2]]))
 
 
-def test_staged_chunks_are_invisible_until_committed(ctx: SharedMemoryKVStore) -> None:
+def test_staged_chunks_are_invisible_until_committed(ctx: KVStore) -> None:
     """stage() writes aside: retrieve sees the old KV until commit(), then the new."""
     ctx.store(kv_of(TOKENS), TOKENS)
     edited = kv_of(TOKENS, seed=1)
@@ -152,23 +182,23 @@ def test_staged_chunks_are_invisible_until_committed(ctx: SharedMemoryKVStore) -
     staged.commit()
     staged.commit()
     np.testing.assert_array_equal(bits(ctx.retrieve(TOKENS)), bits(edited))
-    assert temp_names(ctx) == []
+    assert staged_names(ctx) == []
 
 
 def test_discarded_staged_chunks_leave_the_cache_alone(
-    ctx: SharedMemoryKVStore,
+    ctx: KVStore,
 ) -> None:
     """discard() removes the staged files; the cached KV is unchanged."""
     ctx.store(kv_of(TOKENS), TOKENS)
     staged = ctx.stage(kv_of(TOKENS, seed=1), TOKENS)
-    assert len(temp_names(ctx)) == 3
+    assert len(staged_names(ctx)) == 3
     staged.discard()
     staged.discard()
-    assert temp_names(ctx) == []
+    assert staged_names(ctx) == []
     np.testing.assert_array_equal(bits(ctx.retrieve(TOKENS)), bits(kv_of(TOKENS)))
 
 
-def test_store_writes_only_the_missing_chunks(ctx: SharedMemoryKVStore) -> None:
+def test_store_writes_only_the_missing_chunks(ctx: KVStore) -> None:
     """Extending a cached prefix writes the new chunks and keeps the old."""
     ctx.store(kv_of(TOKENS[:C]), TOKENS[:C])
     longer = kv_of(TOKENS, seed=1)
@@ -181,9 +211,8 @@ def test_store_writes_only_the_missing_chunks(ctx: SharedMemoryKVStore) -> None:
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
-def test_values_round_trip_bit_exactly(stores: StoreFactory, dtype: type) -> None:
+def test_values_round_trip_bit_exactly(ctx: KVStore, dtype: type) -> None:
     """float32, float16 and bfloat16 come back bit for bit (NaN, -0.0, inf too)."""
-    ctx = stores.connect(chunk_size=C)
     kv = kv_of(TOKENS, dtype=dtype)
     kv[0, 0, 0, :3] = np.array([np.nan, -0.0, np.inf]).astype(dtype)
     ctx.store(kv, TOKENS)
@@ -193,7 +222,7 @@ def test_values_round_trip_bit_exactly(stores: StoreFactory, dtype: type) -> Non
     assert np.array_equal(bits(got), bits(kv))
 
 
-def test_big_endian_input_is_stored_as_its_values(ctx: SharedMemoryKVStore) -> None:
+def test_big_endian_input_is_stored_as_its_values(ctx: KVStore) -> None:
     """A big-endian float32 KV is stored by value and returned little-endian."""
     kv = kv_of(TOKENS)
     ctx.store(kv.astype(">f4"), TOKENS)
@@ -203,7 +232,7 @@ def test_big_endian_input_is_stored_as_its_values(ctx: SharedMemoryKVStore) -> N
     assert np.array_equal(got, kv)
 
 
-def test_non_contiguous_input_is_stored(ctx: SharedMemoryKVStore) -> None:
+def test_non_contiguous_input_is_stored(ctx: KVStore) -> None:
     """A strided view (every other width column) stores its values."""
     wide = kv_of(TOKENS, width=8)
     kv = wide[:, :, :, ::2]
@@ -213,7 +242,7 @@ def test_non_contiguous_input_is_stored(ctx: SharedMemoryKVStore) -> None:
     assert np.array_equal(got, kv)
 
 
-def test_retrieve_returns_a_new_contiguous_array(ctx: SharedMemoryKVStore) -> None:
+def test_retrieve_returns_a_new_contiguous_array(ctx: KVStore) -> None:
     """Writing into a retrieved array does not change the stored chunks."""
     ctx.store(kv_of(TOKENS), TOKENS)
     first = ctx.retrieve(TOKENS)
@@ -225,7 +254,7 @@ def test_retrieve_returns_a_new_contiguous_array(ctx: SharedMemoryKVStore) -> No
     assert np.array_equal(again, kv_of(TOKENS))
 
 
-def test_numpy_int_tokens_hash_like_python_ints(ctx: SharedMemoryKVStore) -> None:
+def test_numpy_int_tokens_hash_like_python_ints(ctx: KVStore) -> None:
     """Tokens as numpy int32/uint16 arrays or np.int64 items match plain ints."""
     ctx.store(kv_of(TOKENS), TOKENS)
     for toks in (
@@ -236,19 +265,19 @@ def test_numpy_int_tokens_hash_like_python_ints(ctx: SharedMemoryKVStore) -> Non
         assert ctx.retrieve(toks) is not None
 
 
-def test_negative_token_is_rejected(ctx: SharedMemoryKVStore) -> None:
+def test_negative_token_is_rejected(ctx: KVStore) -> None:
     """A negative token id is a ValueError naming it."""
     with pytest.raises(ValueError, match="-5"):
         ctx.retrieve([1, 2, -5, 3])
 
 
-def test_non_integer_tokens_are_rejected(ctx: SharedMemoryKVStore) -> None:
+def test_non_integer_tokens_are_rejected(ctx: KVStore) -> None:
     """Float token ids are a TypeError, not silently truncated."""
     with pytest.raises(TypeError, match="float64"):
         ctx.store(kv_of(TOKENS), [float(t) for t in TOKENS])  # type: ignore[misc]
 
 
-def test_non_str_salt_is_rejected(ctx: SharedMemoryKVStore) -> None:
+def test_non_str_salt_is_rejected(ctx: KVStore) -> None:
     """cache_salt must be a str."""
     with pytest.raises(TypeError, match="cache_salt"):
         ctx.retrieve(TOKENS, cache_salt=b"x")  # type: ignore[arg-type]
@@ -259,7 +288,7 @@ def test_non_str_salt_is_rejected(ctx: SharedMemoryKVStore) -> None:
     [(3, 4, np.float32), (2, 5, np.float32), (2, 4, np.float16)],
 )
 def test_layout_mismatch_raises_naming_both(
-    ctx: SharedMemoryKVStore, layers: int, width: int, dtype: type
+    ctx: KVStore, layers: int, width: int, dtype: type
 ) -> None:
     """A KV whose layers, width or dtype differ from the store's is refused."""
     ctx.store(kv_of(TOKENS), TOKENS)
@@ -270,10 +299,9 @@ def test_layout_mismatch_raises_naming_both(
     assert f"layers={layers}, width={width}, dtype={np.dtype(dtype).name}" in message
 
 
-def test_layout_is_shared_by_every_handle(stores: StoreFactory) -> None:
+def test_layout_is_shared_by_every_handle(ctx: KVStore, stores: StoreFactory) -> None:
     """The first store fixes the layout for other handles of the store too."""
-    url = unique_url()
-    first, second = stores.connect(url, chunk_size=C), stores.connect(url, chunk_size=C)
+    first, second = ctx, stores.connect(ctx.url, chunk_size=C)
     assert second.layout is None
     first.store(kv_of(TOKENS), TOKENS)
     assert second.layout == Layout(2, 4, np.dtype(np.float32), planes=2)
@@ -281,22 +309,23 @@ def test_layout_is_shared_by_every_handle(stores: StoreFactory) -> None:
         second.store(kv_of(TOKENS, dtype=np.float16), TOKENS)
 
 
-def test_layout_given_at_connect_is_enforced(stores: StoreFactory) -> None:
+def test_layout_given_at_connect_is_enforced(
+    store_url: str, stores: StoreFactory
+) -> None:
     """connect(layers, width, dtype) fixes the layout before any store."""
-    ctx = stores.connect(chunk_size=C, layers=2, width=4, dtype="bfloat16")
+    ctx = stores.connect(store_url, chunk_size=C, layers=2, width=4, dtype="bfloat16")
     assert ctx.layout == Layout(2, 4, np.dtype(ml_dtypes.bfloat16), planes=2)
     with pytest.raises(KVConfigError, match="bfloat16"):
         ctx.store(kv_of(TOKENS), TOKENS)
 
 
 def test_connect_with_other_layout_than_the_named_store_raises(
-    stores: StoreFactory,
+    store_url: str, stores: StoreFactory
 ) -> None:
     """Opening a named store with a different layout is a KVConfigError."""
-    url = unique_url()
-    stores.connect(url, layers=2, width=4, dtype="float16")
+    stores.connect(store_url, layers=2, width=4, dtype="float16")
     with pytest.raises(KVConfigError, match="float16"):
-        stores.connect(url, layers=2, width=4, dtype="float32")
+        stores.connect(store_url, layers=2, width=4, dtype="float32")
 
 
 def test_partial_layout_at_connect_raises(stores: StoreFactory) -> None:
@@ -306,33 +335,33 @@ def test_partial_layout_at_connect_raises(stores: StoreFactory) -> None:
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.int32, np.complex64])
-def test_unsupported_dtype_raises(ctx: SharedMemoryKVStore, dtype: type) -> None:
+def test_unsupported_dtype_raises(ctx: KVStore, dtype: type) -> None:
     """Only float32, float16 and bfloat16 KV can be stored."""
     with pytest.raises(KVConfigError, match=np.dtype(dtype).name):
         ctx.store(kv_of(TOKENS).astype(dtype), TOKENS)
 
 
-def test_axis_2_length_must_match_tokens(ctx: SharedMemoryKVStore) -> None:
+def test_axis_2_length_must_match_tokens(ctx: KVStore) -> None:
     """A KV with more tokens on axis 2 than token ids is refused."""
     with pytest.raises(KVConfigError, match=f"with {len(TOKENS) - 1} tokens"):
         ctx.store(kv_of(TOKENS), TOKENS[:-1])
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 12), (3, 2, 12, 4), (2, 2, 12, 4, 1)])
-def test_kv_must_be_2_l_t_d(ctx: SharedMemoryKVStore, shape: tuple[int, ...]) -> None:
+def test_kv_must_be_2_l_t_d(ctx: KVStore, shape: tuple[int, ...]) -> None:
     """A KV that is not 4-D with K/V on axis 0 is refused."""
     with pytest.raises(KVConfigError, match="expected 4-D"):
         ctx.store(np.zeros(shape, np.float32), TOKENS)
 
 
-@pytest.mark.parametrize("url", ["redis://localhost:6379", "foo://x", "mystore"])
+@pytest.mark.parametrize("url", ["rediss://localhost:6379", "foo://x", "mystore"])
 def test_unknown_scheme_lists_supported_ones(url: str) -> None:
     """An unknown or missing scheme names itself and the supported schemes."""
     with pytest.raises(KVConfigError) as err:
         _connect.connect(url)
     assert url in str(err.value)
-    assert "shm://" in str(err.value)
-    assert "file://" in str(err.value)
+    for scheme in ("shm://", "file://", "redis://"):
+        assert scheme in str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -351,12 +380,11 @@ def test_chunk_size_must_be_a_positive_int(bad: object) -> None:
         _connect.connect(chunk_size=bad)  # type: ignore[arg-type]
 
 
-def test_named_store_is_shared_by_name(stores: StoreFactory) -> None:
-    """Two handles of shm:///NAME read each other's chunks."""
-    url = unique_url()
-    writer = stores.connect(url, chunk_size=C)
-    reader = stores.connect(url, chunk_size=C)
-    assert writer.path == reader.path and reader.url == url
+def test_named_store_is_shared_by_name(store_url: str, stores: StoreFactory) -> None:
+    """Two handles of one URL (shm:///NAME, redis://...) read each other's chunks."""
+    writer = stores.connect(store_url, chunk_size=C)
+    reader = stores.connect(store_url, chunk_size=C)
+    assert writer.url == reader.url == store_url
     writer.store(kv_of(TOKENS), TOKENS)
     got = reader.retrieve(TOKENS)
     assert got is not None
@@ -386,8 +414,8 @@ def test_falls_back_to_tempdir_without_dev_shm(
     assert os.path.dirname(ctx.path) == tempfile.gettempdir()
 
 
-def test_stats_count_this_handles_work(ctx: SharedMemoryKVStore) -> None:
-    """stats() counts chunks/bytes on disk and this handle's hits/misses/writes."""
+def test_stats_count_this_handles_work(ctx: KVStore) -> None:
+    """stats() counts the store's chunks/bytes, its capacity and this handle's hits/misses/writes."""
     ctx.store(kv_of(TOKENS), TOKENS)
     ctx.retrieve(TOKENS)  # 3 hits
     ctx.retrieve([*TOKENS[:C], 0, 0, 0, 0])  # 1 hit, 1 miss
@@ -401,6 +429,7 @@ def test_stats_count_this_handles_work(ctx: SharedMemoryKVStore) -> None:
         evictions=0,
         writes=3,
         corrupt=0,
+        capacity_bytes=ctx.capacity_bytes,
     )
 
 
@@ -437,35 +466,35 @@ def test_chunk_larger_than_capacity_is_not_stored(stores: StoreFactory) -> None:
     assert ctx.stats().chunks == 0
 
 
-def _flip_payload_byte(path: str) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(HEADER_SIZE + 5)
-        byte = fh.read(1)
-        fh.seek(HEADER_SIZE + 5)
-        fh.write(bytes([byte[0] ^ 0x01]))
+def _flip_payload_byte(data: bytes) -> bytes:
+    flipped = bytearray(data)
+    flipped[HEADER_SIZE + 5] ^= 0x01
+    return bytes(flipped)
 
 
-def _truncate(path: str) -> None:
-    os.truncate(path, os.path.getsize(path) - 1)
+def _truncate(data: bytes) -> bytes:
+    return data[:-1]
 
 
-def _bad_magic(path: str) -> None:
-    with open(path, "r+b") as fh:
-        fh.write(b"NOTACHNK")
+def _bad_magic(data: bytes) -> bytes:
+    return b"NOTACHNK" + data[8:]
 
 
 @pytest.mark.parametrize("damage", [_flip_payload_byte, _truncate, _bad_magic])
 def test_corrupt_chunk_is_a_warned_miss(
-    ctx: SharedMemoryKVStore, damage: Callable[[str], None]
+    ctx: KVStore, damage: Callable[[bytes], bytes]
 ) -> None:
     """Each damaged chunk warns, ends the prefix, is removed and re-stored."""
     ctx.store(kv_of(TOKENS), TOKENS)
-    for path in chunk_paths(ctx):
-        damage(path)
+    raw = RawChunks(ctx, TOKENS)
+    for index in (2, 0, 1):
+        data = raw.get(index)
+        assert data is not None
+        raw.put(index, damage(data))
         with pytest.warns(CorruptChunkWarning, match="corrupt chunk"):
             got = ctx.retrieve(TOKENS)
-        assert got is None or got.shape[2] < len(TOKENS)
-        assert not os.path.exists(path)
+        assert got is None or got.shape[2] == index * C
+        assert raw.get(index) is None
         assert ctx.store(kv_of(TOKENS), TOKENS)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -520,40 +549,40 @@ def test_garbage_collecting_the_owner_removes_the_store() -> None:
     assert not os.path.exists(path)
 
 
-def test_closing_a_named_store_keeps_it(stores: StoreFactory) -> None:
+def test_closing_a_named_store_keeps_it(ctx: KVStore, stores: StoreFactory) -> None:
     """close() of a named store keeps the chunks for the next opener."""
-    ctx = stores.named(chunk_size=C)
     ctx.store(kv_of(TOKENS), TOKENS)
     ctx.close()
     again = stores.connect(ctx.url, chunk_size=C)
     assert again.retrieve(TOKENS) is not None
 
 
-def test_a_closed_store_refuses_use(stores: StoreFactory) -> None:
+def test_a_closed_store_refuses_use(ctx: KVStore) -> None:
     """retrieve/store/stats on a closed handle raise KVStoreError."""
-    ctx = stores.named(chunk_size=C)
     ctx.close()
     with pytest.raises(KVStoreError, match="closed"):
         ctx.retrieve(TOKENS)
     with pytest.raises(KVStoreError, match="closed"):
         ctx.store(kv_of(TOKENS), TOKENS)
+    with pytest.raises(KVStoreError, match="closed"):
+        ctx.stats()
 
 
-def test_pickle_holds_the_location_only(ctx: SharedMemoryKVStore) -> None:
+def test_pickle_holds_the_location_only(ctx: KVStore) -> None:
     """A pickled store carries no KV data and reconnects to the same chunks."""
     big = list(range(64 * C))
     ctx.store(kv_of(big, width=64), big)
     blob = pickle.dumps(ctx)
     assert len(blob) < 1000
     copy = pickle.loads(blob)
-    assert (copy.path, copy.url, copy.chunk_size) == (ctx.path, ctx.url, C)
+    assert (type(copy), copy.url, copy.chunk_size) == (type(ctx), ctx.url, C)
     assert copy.capacity_bytes == ctx.capacity_bytes
     got = copy.retrieve(big)
     assert got is not None and got.shape[2] == len(big)
     assert copy.stats().hits == 64
 
 
-def test_closing_an_unpickled_copy_keeps_the_store(ctx: SharedMemoryKVStore) -> None:
+def test_closing_an_unpickled_copy_keeps_the_store(ctx: KVStore) -> None:
     """An unpickled copy does not own the directory: its close() keeps it."""
     ctx.store(kv_of(TOKENS), TOKENS)
     copy = pickle.loads(pickle.dumps(ctx))
@@ -581,7 +610,7 @@ def test_store_is_removed_at_interpreter_exit() -> None:
 
 
 def test_short_reads_and_writes_are_resumed(
-    ctx: SharedMemoryKVStore, monkeypatch: pytest.MonkeyPatch
+    shm_ctx: SharedMemoryKVStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Chunks survive readv/writev moving 7 bytes a call, 3 buffers at most."""
     real_readv, real_writev = os.readv, os.writev
@@ -589,14 +618,14 @@ def test_short_reads_and_writes_are_resumed(
     monkeypatch.setattr(os, "readv", lambda fd, bufs: real_readv(fd, [bufs[0][:7]]))
     monkeypatch.setattr(os, "writev", lambda fd, bufs: real_writev(fd, [bufs[0][:7]]))
     kv = kv_of(TOKENS, layers=3)
-    ctx.store(kv, TOKENS)
-    got = ctx.retrieve(TOKENS)
+    shm_ctx.store(kv, TOKENS)
+    got = shm_ctx.retrieve(TOKENS)
     assert got is not None and np.array_equal(got, kv)
 
 
-def test_threads_share_one_handle(stores: StoreFactory) -> None:
+def test_threads_share_one_handle(ctx: KVStore, stores: StoreFactory) -> None:
     """Threads storing and retrieving through one lazily opened handle agree."""
-    copy = stores.track(pickle.loads(pickle.dumps(stores.connect(chunk_size=C))))
+    copy = stores.track(pickle.loads(pickle.dumps(ctx)))
 
     def work(n: int) -> bool:
         toks = [n] * (3 * C)
@@ -610,17 +639,18 @@ def test_threads_share_one_handle(stores: StoreFactory) -> None:
 
 
 def test_unpickled_copy_of_a_destroyed_store_raises(
-    ctx: SharedMemoryKVStore,
+    shm_ctx: SharedMemoryKVStore,
 ) -> None:
     """A copy reconnecting after the store was destroyed gets KVStoreError."""
-    copy = pickle.loads(pickle.dumps(ctx))
-    ctx.destroy()
+    copy = pickle.loads(pickle.dumps(shm_ctx))
+    shm_ctx.destroy()
     with pytest.raises(KVStoreError, match="does not exist"):
         copy.retrieve(TOKENS)
 
 
-def test_sweep_removes_temp_files_of_dead_writers(ctx: SharedMemoryKVStore) -> None:
+def test_sweep_removes_temp_files_of_dead_writers(shm_ctx: SharedMemoryKVStore) -> None:
     """sweep() removes what a dead writer left (a staged edit never committed)."""
+    ctx = shm_ctx
     ctx.store(kv_of(TOKENS), TOKENS)
     staged = ctx.stage(kv_of(TOKENS, seed=1), TOKENS)
     for tmp, _ in staged.moves:  # pretend the writer (this pid) has died
