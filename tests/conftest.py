@@ -15,7 +15,7 @@ from lmcache_mp._paths import shm_root
 from lmcache_mp.kv import SharedMemoryKVStore, connect
 from tests._fakes import FakeEngine, InMemoryKV
 from tests._redis_server import RedisServer
-from tests._store_util import StoreFactory
+from tests._store_util import StoreFactory, unique_url
 
 #: multiprocessing helpers that live as long as the interpreter, by design.
 _SESSION_HELPERS = ("resource_tracker", "forkserver")
@@ -141,3 +141,16 @@ def no_redis_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     for server, prefix in request.node.stash.get(_REDIS_PREFIXES, []):
         server.check_clean(prefix)
+
+
+@pytest.fixture(params=["shm", "redis"])
+def store_url(request: pytest.FixtureRequest, redis_server: RedisServer) -> str:
+    """The URL of a fresh named store, of each backend (tests taking it run twice).
+
+    Takes ``redis_server`` for both, so that the session's server is up
+    before ``no_leaks`` lists the test's child processes.
+    """
+    if request.param == "redis":
+        url: str = request.getfixturevalue("redis_url")
+        return url
+    return unique_url()

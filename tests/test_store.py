@@ -33,7 +33,6 @@ from lmcache_mp.kv import (
 )
 from lmcache_mp.kv._chunk import HEADER_SIZE
 from lmcache_mp.kv._layout import Layout
-from tests._redis_server import RedisServer
 from tests._store_util import (
     RawChunks,
     StoreFactory,
@@ -47,19 +46,6 @@ from tests._store_util import (
 
 C = 4  # chunk size of most tests
 TOKENS = list(range(100, 100 + 3 * C))  # exactly three chunks
-
-
-@pytest.fixture(params=["shm", "redis"])
-def store_url(request: pytest.FixtureRequest, redis_server: RedisServer) -> str:
-    """The URL of a fresh named store, of each backend.
-
-    Takes ``redis_server`` for both, so that the session's server is up
-    before ``no_leaks`` lists the test's child processes.
-    """
-    if request.param == "redis":
-        url: str = request.getfixturevalue("redis_url")
-        return url
-    return unique_url()
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
-"""Specification of cache kinds in the embedded store (issue #11).
+"""Specification of cache kinds in the stores (issue #11).
 
 A store keeps each ``LMCacheSDKCacheKind`` in its own namespace with the
 same chunk semantics: KV is ``[2, L, T, D]``, QUERY ``[1, L, T, Dq]``.
+Tests taking ``kv_store`` run on both backends (shared memory, Redis).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import pytest
 
 from lmcache_mp import LMCacheSDKCacheKind
 from lmcache_mp.errors import CorruptChunkWarning, KVConfigError
-from lmcache_mp.kv import SharedMemoryKVStore, connect
-from tests._store_util import StoreFactory, chunk_paths
+from lmcache_mp.kv import KVStore, connect
+from tests._store_util import RawChunks, StoreFactory
 
 KV, QUERY = LMCacheSDKCacheKind.KV, LMCacheSDKCacheKind.QUERY
 C = 4
@@ -36,9 +37,10 @@ def keys_values(tokens: list[int]) -> np.ndarray:
 
 
 @pytest.fixture
-def kv_store(stores: StoreFactory) -> SharedMemoryKVStore:
-    """A named KV store with 4-token chunks."""
-    return stores.named(chunk_size=C)
+def kv_store(store_url: str, stores: StoreFactory) -> KVStore:
+    """A named KV store with 4-token chunks, of each backend."""
+    store: KVStore = stores.connect(store_url, chunk_size=C)
+    return store
 
 
 def test_the_kinds_are_upstreams() -> None:
@@ -47,12 +49,12 @@ def test_the_kinds_are_upstreams() -> None:
     assert (KV.planes, QUERY.planes) == (2, 1)
 
 
-def test_a_store_is_the_kv_kind(kv_store: SharedMemoryKVStore) -> None:
+def test_a_store_is_the_kv_kind(kv_store: KVStore) -> None:
     """connect() returns the KV context."""
     assert kv_store.kind is KV
 
 
-def test_query_round_trips_through_its_namespace(kv_store: SharedMemoryKVStore) -> None:
+def test_query_round_trips_through_its_namespace(kv_store: KVStore) -> None:
     """A [1, L, T, Dq] query tensor stored in the QUERY namespace comes back
     bit for bit, chunk-aligned."""
     q_store = kv_store.for_kind(QUERY)
@@ -65,7 +67,7 @@ def test_query_round_trips_through_its_namespace(kv_store: SharedMemoryKVStore) 
         q_store.close()
 
 
-def test_kinds_never_answer_for_each_other(kv_store: SharedMemoryKVStore) -> None:
+def test_kinds_never_answer_for_each_other(kv_store: KVStore) -> None:
     """The same tokens cached as KV and as queries are two entries: each
     kind retrieves its own tensor, and a kind with nothing cached misses."""
     q_store = kv_store.for_kind(QUERY)
@@ -88,7 +90,7 @@ def test_kinds_never_answer_for_each_other(kv_store: SharedMemoryKVStore) -> Non
     ],
 )
 def test_a_tensor_of_the_wrong_kind_is_refused(
-    kv_store: SharedMemoryKVStore,
+    kv_store: KVStore,
     kind: LMCacheSDKCacheKind,
     shape: tuple[int, ...],
     needle: str,
@@ -102,7 +104,7 @@ def test_a_tensor_of_the_wrong_kind_is_refused(
         ctx.close()
 
 
-def test_a_kind_pickles_by_location_and_kind(kv_store: SharedMemoryKVStore) -> None:
+def test_a_kind_pickles_by_location_and_kind(kv_store: KVStore) -> None:
     """An unpickled QUERY handle (what a worker gets) reads the same namespace."""
     q_store = kv_store.for_kind(QUERY)
     q_store.store(queries(TOKENS), TOKENS)
@@ -116,7 +118,7 @@ def test_a_kind_pickles_by_location_and_kind(kv_store: SharedMemoryKVStore) -> N
 
 
 def test_connect_opens_a_named_stores_query_namespace(
-    kv_store: SharedMemoryKVStore,
+    kv_store: KVStore,
 ) -> None:
     """connect(url, kind=QUERY) is the same namespace as for_kind(QUERY),
     and its layout arguments fix that namespace's layout."""
@@ -160,19 +162,18 @@ def test_removing_the_store_removes_every_kind(stores: StoreFactory) -> None:
     assert not os.path.lexists(q_path)
 
 
-def test_a_corrupt_query_chunk_is_a_miss(kv_store: SharedMemoryKVStore) -> None:
+def test_a_corrupt_query_chunk_is_a_miss(kv_store: KVStore) -> None:
     """The checksum guards the query namespace as it guards KV."""
     q_store = kv_store.for_kind(QUERY)
     try:
         q_store.store(queries(TOKENS), TOKENS)
-        path = sorted(chunk_paths(q_store))[0]
-        with open(path, "r+b") as fh:
-            fh.seek(-1, os.SEEK_END)
-            last = fh.read(1)
-            fh.seek(-1, os.SEEK_END)
-            fh.write(bytes([last[0] ^ 0xFF]))
+        raw = RawChunks(q_store, TOKENS)
+        data = raw.get(1)
+        assert data is not None
+        raw.put(1, data[:-1] + bytes([data[-1] ^ 0xFF]))
         with pytest.warns(CorruptChunkWarning, match="checksum"):
             got = q_store.retrieve(TOKENS)
-        assert got is None or got.shape[2] == C
+        assert got is not None and got.shape[2] == C
+        assert raw.get(1) is None
     finally:
         q_store.close()

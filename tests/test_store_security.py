@@ -5,6 +5,7 @@ torn or misplaced files. It is not a secret: someone able to write the
 store directory could forge a valid chunk. What keeps other users out is
 the directory itself (0700, owned by the user, never a symlink); what keeps
 a forged chunk harmless is that chunks are raw numbers, never unpickled.
+Tests taking ``any_ctx`` run on both backends (chunk files, Redis values).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import numpy as np
 import pytest
 
 from lmcache_mp.errors import CorruptChunkWarning, KVStoreError, KVStoreSecurityError
-from lmcache_mp.kv import SharedMemoryKVStore, _connect
+from lmcache_mp.kv import KVStore, SharedMemoryKVStore, _connect
 from lmcache_mp.kv._chunk import FORMAT_VERSION, HEADER_SIZE, chunk_digest
 from lmcache_mp.kv._keys import chunk_keys, token_array
-from tests._store_util import StoreFactory, chunk_paths, kv_of, unique_url
+from tests._store_util import RawChunks, StoreFactory, kv_of, unique_url
 
 C = 4
 TOKENS = list(range(7, 7 + 2 * C))
@@ -32,6 +33,13 @@ TOKENS = list(range(7, 7 + 2 * C))
 @pytest.fixture
 def ctx(stores: StoreFactory) -> SharedMemoryKVStore:
     return stores.named(chunk_size=C)
+
+
+@pytest.fixture
+def any_ctx(store_url: str, stores: StoreFactory) -> KVStore:
+    """A named store with 4-token chunks, of each backend."""
+    store: KVStore = stores.connect(store_url, chunk_size=C)
+    return store
 
 
 def _mode(path: str) -> int:
@@ -153,76 +161,70 @@ def test_symlinked_chunk_is_never_followed(
     assert outside.exists() and not os.path.lexists(first)
 
 
-def test_chunk_with_crafted_payload_is_rejected(ctx: SharedMemoryKVStore) -> None:
+def test_chunk_with_crafted_payload_is_rejected(any_ctx: KVStore) -> None:
     """A valid header over a different payload fails the checksum."""
-    ctx.store(kv_of(TOKENS), TOKENS)
-    path = _chunk_path(ctx, 0)
-    with open(path, "r+b") as fh:
-        header = fh.read(HEADER_SIZE)
-        crafted = np.full(2 * 2 * C * 4, 42.0, np.float32).tobytes()
-        fh.seek(0)
-        fh.write(header + crafted)
+    any_ctx.store(kv_of(TOKENS), TOKENS)
+    raw = RawChunks(any_ctx, TOKENS)
+    header = (raw.get(0) or b"")[:HEADER_SIZE]
+    raw.put(0, header + np.full(2 * 2 * C * 4, 42.0, np.float32).tobytes())
     with pytest.warns(CorruptChunkWarning, match="checksum"):
-        assert ctx.retrieve(TOKENS) is None
+        assert any_ctx.retrieve(TOKENS) is None
+    assert raw.get(0) is None
 
 
-def test_chunk_renamed_to_another_key_is_rejected(ctx: SharedMemoryKVStore) -> None:
+def test_chunk_renamed_to_another_key_is_rejected(any_ctx: KVStore) -> None:
     """A valid chunk moved to another key's name fails (the key is hashed in)."""
-    ctx.store(kv_of(TOKENS), TOKENS)
-    os.replace(_chunk_path(ctx, 1), _chunk_path(ctx, 0))
+    any_ctx.store(kv_of(TOKENS), TOKENS)
+    raw = RawChunks(any_ctx, TOKENS)
+    raw.put(0, raw.get(1) or b"")
     with pytest.warns(CorruptChunkWarning, match="checksum"):
-        assert ctx.retrieve(TOKENS) is None
+        assert any_ctx.retrieve(TOKENS) is None
+    assert raw.get(0) is None
 
 
-def _forge(ctx: SharedMemoryKVStore, path: str, key: bytes, payload: bytes) -> None:
-    """Write a chunk with a correct header and digest around ``payload``."""
+def _forge(key: bytes, payload: bytes) -> bytes:
+    """A chunk with a correct header and digest around ``payload``."""
     fields = struct.pack(
         "<8sHHIIIQ", b"LMCMPKV\0", FORMAT_VERSION, 1, 2, C, 4, len(payload)
     )
-    digest = chunk_digest(key, fields, [memoryview(payload)])
-    with open(path, "wb") as fh:
-        fh.write(fields + digest + payload)
+    return fields + chunk_digest(key, fields, [memoryview(payload)]) + payload
 
 
-def test_pickle_in_a_chunk_is_never_unpickled(
-    ctx: SharedMemoryKVStore, tmp_path: Path
-) -> None:
+def test_pickle_in_a_chunk_is_never_unpickled(any_ctx: KVStore, tmp_path: Path) -> None:
     """A forged chunk holding a malicious pickle comes back as raw numbers."""
-    ctx.store(kv_of(TOKENS), TOKENS)
+    any_ctx.store(kv_of(TOKENS), TOKENS)
     marker = tmp_path / "pwned"
     evil = pickle.dumps(_CreatesFile(str(marker)))
-    size = 2 * 2 * C * 4 * 4
-    payload = evil.ljust(size, b"\0")
-    key = next(iter(chunk_keys(token_array(TOKENS), C, "")))
-    _forge(ctx, _chunk_path(ctx, 0), key, payload)
-    got = ctx.retrieve(TOKENS[:C])
+    payload = evil.ljust(2 * 2 * C * 4 * 4, b"\0")
+    raw = RawChunks(any_ctx, TOKENS)
+    raw.put(0, _forge(raw.keys[0], payload))
+    got = any_ctx.retrieve(TOKENS[:C])
     assert got is not None and got.dtype == np.float32
     assert got.tobytes() == payload
     assert not marker.exists()
 
 
-def test_pickle_as_a_whole_chunk_file_is_never_unpickled(
-    ctx: SharedMemoryKVStore, tmp_path: Path
+def test_pickle_as_a_whole_chunk_is_never_unpickled(
+    any_ctx: KVStore, tmp_path: Path
 ) -> None:
-    """A chunk file that is just a pickle is a corrupt miss and never runs."""
-    ctx.store(kv_of(TOKENS), TOKENS)
+    """A chunk (file or value) that is just a pickle is a corrupt miss and never runs."""
+    any_ctx.store(kv_of(TOKENS), TOKENS)
     marker = tmp_path / "pwned"
-    with open(_chunk_path(ctx, 0), "wb") as fh:
-        pickle.dump(_CreatesFile(str(marker)), fh)
+    raw = RawChunks(any_ctx, TOKENS)
+    raw.put(0, pickle.dumps(_CreatesFile(str(marker))))
     with pytest.warns(CorruptChunkWarning):
-        assert ctx.retrieve(TOKENS) is None
+        assert any_ctx.retrieve(TOKENS) is None
     assert not marker.exists()
+    assert raw.get(0) is None
 
 
-def test_pickled_layout_file_is_an_error_and_never_runs(
-    stores: StoreFactory, tmp_path: Path
+def test_pickled_layout_is_an_error_and_never_runs(
+    any_ctx: KVStore, tmp_path: Path
 ) -> None:
-    """A layout.json replaced by a pickle is a KVStoreError; nothing runs."""
-    ctx = stores.named(chunk_size=C)
+    """A layout document replaced by a pickle is a KVStoreError; nothing runs."""
     marker = tmp_path / "pwned"
-    with open(os.path.join(ctx.path, "layout.json"), "wb") as fh:
-        pickle.dump(_CreatesFile(str(marker)), fh)
-    with pytest.raises(KVStoreError, match=r"layout\.json"):
-        ctx.retrieve(TOKENS)
+    RawChunks(any_ctx, TOKENS).put_layout(pickle.dumps(_CreatesFile(str(marker))))
+    with pytest.raises(KVStoreError, match="not a valid store layout"):
+        any_ctx.retrieve(TOKENS)
     assert not marker.exists()
-    assert chunk_paths(ctx) == []
+    assert any_ctx.stats().chunks == 0
