@@ -1,21 +1,25 @@
 """Property tests: the store behaves as a dict keyed by (salt, token prefix).
 
 Each example makes its own store inside the test body (function-scoped
-fixtures are not reset between hypothesis examples) and destroys it.
+fixtures are not reset between hypothesis examples) and destroys it. The
+reference-model test runs on both backends: a Redis example's prefix
+extends the test's own ``redis_url`` prefix, so the leak check covers it.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import ml_dtypes
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmcache_mp.kv import SharedMemoryKVStore, connect
+from lmcache_mp.kv import KVStore, connect
 from lmcache_mp.kv._keys import chunk_keys, token_array
 from tests._store_util import bits
 
@@ -26,13 +30,22 @@ TOKEN_LISTS = st.lists(st.integers(0, 3), max_size=14)
 SETTINGS = settings(
     max_examples=100,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
+    # base_url is one per test on purpose: each example extends it.
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 
 
+@pytest.fixture
+def base_url(store_url: str) -> str | None:
+    """None (a temporary shared-memory store per example), or a Redis URL
+    whose prefix each example extends."""
+    return store_url if store_url.startswith("redis://") else None
+
+
 @contextmanager
-def fresh_store(chunk_size: int) -> Iterator[SharedMemoryKVStore]:
-    ctx = connect(chunk_size=chunk_size)
+def fresh_store(chunk_size: int, base_url: str | None = None) -> Iterator[KVStore]:
+    url = None if base_url is None else f"{base_url}-{secrets.token_hex(4)}"
+    ctx = connect(url, chunk_size=chunk_size)
     try:
         yield ctx
     finally:
@@ -82,6 +95,7 @@ OPS = st.lists(
     seed=st.integers(0, 2**16),
 )
 def test_store_matches_the_reference_model(
+    base_url: str | None,
     chunk_size: int,
     layers: int,
     width: int,
@@ -92,7 +106,7 @@ def test_store_matches_the_reference_model(
     """Any sequence of stores and retrieves gives what the dict model gives."""
     rng = np.random.default_rng(seed)
     model = Model(chunk_size)
-    with fresh_store(chunk_size) as ctx:
+    with fresh_store(chunk_size, base_url) as ctx:
         for op, tokens, salt in ops:
             if op == "store":
                 kv = rng.standard_normal((2, layers, len(tokens), width)).astype(dtype)
