@@ -14,7 +14,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from types import TracebackType
+from collections.abc import Iterator
 from typing import Any
 
 import redis
@@ -35,7 +35,7 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """A ``redis-server`` child process; a context manager.
+    """A ``redis-server`` child process (see :func:`running`).
 
     Args:
         maxmemory: Its ``--maxmemory`` (e.g. ``"64mb"``).
@@ -55,18 +55,6 @@ class RedisServer:
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
-
-    def __enter__(self) -> RedisServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def start(self) -> None:
         """Start the server and wait (bounded) until it answers PING.
@@ -164,3 +152,15 @@ class RedisServer:
         assert (config["maxmemory-policy"], users) == (self.policy, ["default"]), (
             f"server config or users changed: {config}, {users}"
         )
+
+
+@contextlib.contextmanager
+def running(**options: Any) -> Iterator[RedisServer]:
+    """A started :class:`RedisServer` (``options`` as its arguments), stopped
+    when the block ends, whatever happened in it."""
+    server = RedisServer(**options)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

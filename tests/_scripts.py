@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import textwrap
 import time
 from collections.abc import Iterable
@@ -40,3 +42,12 @@ def all_gone(pids: Iterable[int], timeout: float = 10.0) -> bool:
     while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     return not any(psutil.pid_exists(p) for p in pids)
+
+
+def run_python(script: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a fresh interpreter (this one's executable) and
+    return it finished, with its stdout and stderr as text; bounded by
+    ``timeout`` seconds (``subprocess.TimeoutExpired`` past it)."""
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout
+    )

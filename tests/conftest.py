@@ -14,7 +14,7 @@ import pytest
 from lmcache_mp._paths import shm_root
 from lmcache_mp.kv import SharedMemoryKVStore, connect
 from tests._fakes import FakeEngine, InMemoryKV
-from tests._redis_server import RedisServer
+from tests._redis_server import RedisServer, running
 from tests._store_util import StoreFactory, unique_url
 
 #: multiprocessing helpers that live as long as the interpreter, by design.
@@ -119,7 +119,7 @@ _REDIS_PREFIXES = pytest.StashKey[list[tuple[RedisServer, str]]]()
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     """A redis-server (password, 64 MB maxmemory, allkeys-lru) for the session."""
-    with RedisServer() as server:
+    with running() as server:
         yield server
 
 

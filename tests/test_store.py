@@ -10,8 +10,6 @@ from __future__ import annotations
 import gc
 import os
 import pickle
-import subprocess
-import sys
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -33,6 +31,7 @@ from lmcache_mp.kv import (
 )
 from lmcache_mp.kv._chunk import HEADER_SIZE
 from lmcache_mp.kv._layout import Layout
+from tests._scripts import run_python
 from tests._store_util import (
     RawChunks,
     StoreFactory,
@@ -586,9 +585,7 @@ def test_store_is_removed_at_interpreter_exit() -> None:
         "ctx.store(np.ones((2, 1, 8, 2), np.float32), list(range(8)))\n"
         "print(ctx.path, flush=True)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
-    )
+    done = run_python(script, timeout=60)
     path = done.stdout.strip()
     assert done.returncode == 0, done.stderr
     assert "lmcache" in path

@@ -20,6 +20,7 @@ import pytest
 
 from lmcache_mp.errors import CorruptChunkWarning
 from lmcache_mp.kv import SharedMemoryKVStore, connect
+from tests._scripts import run_python
 from tests._store_util import (
     StoreFactory,
     chunk_paths,
@@ -174,12 +175,7 @@ def test_forked_child_exit_keeps_the_parents_store() -> None:
         "os.waitpid(pid, 0)\n"
         "print(ctx.path, os.path.isdir(ctx.path), flush=True)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=JOIN_TIMEOUT_S,
-    )
+    done = run_python(script, timeout=JOIN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr
     path, alive_after_child = done.stdout.split()
     assert alive_after_child == "True"

@@ -10,7 +10,6 @@ import contextlib
 import multiprocessing
 import pickle
 import socket
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -30,7 +29,8 @@ from lmcache_mp.errors import (
 )
 from lmcache_mp.kv import RedisKVStore, connect
 from lmcache_mp.kv._chunk import chunk_file_size
-from tests._redis_server import PASSWORD, RedisServer, free_port
+from tests._redis_server import PASSWORD, RedisServer, free_port, running
+from tests._scripts import run_python
 from tests._store_util import RawChunks, StoreFactory, bits, kv_of, staged_names
 
 C = 4
@@ -49,7 +49,7 @@ def ctx(redis_url: str, stores: StoreFactory) -> RedisKVStore:
 @pytest.fixture
 def private_server() -> Iterator[RedisServer]:
     """A server of the test's own (stopped, or reconfigured, freely)."""
-    with RedisServer() as server:
+    with running() as server:
         yield server
 
 
@@ -242,7 +242,7 @@ def test_an_unbounded_server_reports_capacity_0(private_server: RedisServer) -> 
 
 def test_eviction_keeps_every_prefix_consistent_and_is_counted() -> None:
     """Over a tiny maxmemory the server evicts; every retrieve is still an exact prefix."""
-    with RedisServer(maxmemory="3mb") as server:
+    with running(maxmemory="3mb") as server:
         ctx = connect(server.url("test-evict"), chunk_size=C)
         prompts = [[n] * (4 * C) for n in range(120)]
         for n, toks in enumerate(prompts):
@@ -412,12 +412,7 @@ def test_importing_the_package_does_not_import_redis() -> None:
         "from lmcache_mp.kv import RedisKVStore, connect\n"
         "print('redis' in sys.modules)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=JOIN_TIMEOUT_S,
-    )
+    done = run_python(script, timeout=JOIN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
 

@@ -8,7 +8,8 @@ same inputs with the same messages.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from types import TracebackType
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +22,7 @@ from lmcache_mp.kv._keys import Tokens, token_array
 from lmcache_mp.kv._layout import Layout, resolve_dtype
 
 __all__ = [
+    "StoreHandle",
     "as_bytes",
     "check_positive",
     "join_payloads",
@@ -29,6 +31,52 @@ __all__ = [
     "warn_corrupt",
     "warn_unfit",
 ]
+
+
+_Handle = TypeVar("_Handle", bound="StoreHandle")
+
+
+class StoreHandle:
+    """What a store handle of either backend is, besides its operations: a
+    context of one kind and chunk size, closed when its ``with`` ends.
+
+    Args:
+        kind: The tensor family it caches.
+        chunk_size: Tokens per chunk.
+
+    Raises:
+        KVConfigError: If ``chunk_size`` is not a positive int.
+    """
+
+    def __init__(self, kind: LMCacheSDKCacheKind, chunk_size: int) -> None:
+        check_positive("chunk_size", chunk_size)
+        self._kind = kind
+        self._chunk_size = chunk_size
+
+    @property
+    def kind(self) -> LMCacheSDKCacheKind:
+        """The tensor family this context caches (upstream's ``ctx.kind``)."""
+        return self._kind
+
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per chunk; retrieved prefixes are multiples of it."""
+        return self._chunk_size
+
+    def close(self) -> None:
+        """Release the handle (each backend says what that keeps)."""
+        raise NotImplementedError
+
+    def __enter__(self: _Handle) -> _Handle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
 
 def check_positive(label: str, value: object) -> None:

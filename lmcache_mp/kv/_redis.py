@@ -16,7 +16,6 @@ server's (``maxmemory`` with an allkeys LRU/LFU policy).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import numpy.typing as npt
@@ -25,8 +24,8 @@ from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError
 from lmcache_mp.kv._chunk import CorruptChunk, chunk_views, encode_chunk
 from lmcache_mp.kv._common import (
+    StoreHandle,
     as_bytes,
-    check_positive,
     join_payloads,
     kv_layout,
     warn_corrupt,
@@ -68,7 +67,7 @@ def _reopen(url: str, chunk_size: int, kind: LMCacheSDKCacheKind) -> RedisKVStor
     return RedisKVStore(url, chunk_size=chunk_size, kind=kind)
 
 
-class RedisKVStore:
+class RedisKVStore(StoreHandle):
     """A KV context whose chunks are values on a Redis server.
 
     The semantics of :class:`~lmcache_mp.kv.SharedMemoryKVStore` (salted
@@ -98,12 +97,10 @@ class RedisKVStore:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         kind: LMCacheSDKCacheKind = LMCacheSDKCacheKind.KV,
     ) -> None:
-        check_positive("chunk_size", chunk_size)
+        super().__init__(kind, chunk_size)
         target = RedisTarget.parse(url)
         self._fragment = "" if kind is LMCacheSDKCacheKind.KV else f"#{kind.value}"
         self._link = RedisLink(target, target.url(secret=False) + self._fragment)
-        self._chunk_size = chunk_size
-        self._kind = kind
         self._layout = KnownLayout(f"{self._link.where} {self._key()}")
         self._counts = Counters()
 
@@ -112,16 +109,6 @@ class RedisKVStore:
         """The URL that opens this store, password included (``repr`` and
         error messages mask it); ``#query`` marks the query namespace."""
         return self._link.target.url(secret=True) + self._fragment
-
-    @property
-    def kind(self) -> LMCacheSDKCacheKind:
-        """The tensor family this context caches (upstream's ``ctx.kind``)."""
-        return self._kind
-
-    @property
-    def chunk_size(self) -> int:
-        """Tokens per chunk; retrieved prefixes are multiples of it."""
-        return self._chunk_size
 
     @property
     def capacity_bytes(self) -> int:
@@ -154,17 +141,6 @@ class RedisKVStore:
     def __reduce__(self) -> tuple[Any, ...]:
         url = self._link.target.url(secret=True)
         return (_reopen, (url, self._chunk_size, self._kind))
-
-    def __enter__(self) -> RedisKVStore:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _key(self, *parts: str) -> str:
         """A key of this kind's namespace; no parts: its layout's key."""

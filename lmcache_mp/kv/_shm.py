@@ -8,7 +8,6 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -25,6 +24,7 @@ from lmcache_mp.kv._chunk import (
     write_chunk,
 )
 from lmcache_mp.kv._common import (
+    StoreHandle,
     as_bytes,
     check_positive,
     kv_layout,
@@ -64,7 +64,7 @@ def _reopen(
     )
 
 
-class SharedMemoryKVStore:
+class SharedMemoryKVStore(StoreHandle):
     """A KV context whose chunks are files in a private shared directory.
 
     Every process on the machine that opens the same directory shares the
@@ -100,12 +100,10 @@ class SharedMemoryKVStore:
         owner: bool = False,
         kind: LMCacheSDKCacheKind = LMCacheSDKCacheKind.KV,
     ) -> None:
-        check_positive("chunk_size", chunk_size)
+        super().__init__(kind, chunk_size)
         check_positive("capacity_bytes", capacity_bytes)
         self._path = path
         self._url = url
-        self._chunk_size = chunk_size
-        self._kind = kind
         self._handle = DirHandle(path, owner)
         self._finalizer = weakref.finalize(self, self._handle.cleanup)
         self._lock = threading.Lock()
@@ -120,19 +118,9 @@ class SharedMemoryKVStore:
         return self._path
 
     @property
-    def kind(self) -> LMCacheSDKCacheKind:
-        """The tensor family this context caches (upstream's ``ctx.kind``)."""
-        return self._kind
-
-    @property
     def url(self) -> str:
         """The URL that opens this store, e.g. ``"shm:///name"``."""
         return self._url
-
-    @property
-    def chunk_size(self) -> int:
-        """Tokens per chunk; retrieved prefixes are multiples of it."""
-        return self._chunk_size
 
     @property
     def capacity_bytes(self) -> int:
@@ -164,17 +152,6 @@ class SharedMemoryKVStore:
                 self._kind,
             ),
         )
-
-    def __enter__(self) -> SharedMemoryKVStore:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def for_kind(self, kind: LMCacheSDKCacheKind) -> SharedMemoryKVStore:
         """Open the context of another tensor family in this store.
