@@ -182,35 +182,47 @@ def test_capacity_is_the_servers_maxmemory(ctx: RedisKVStore) -> None:
     assert ctx.stats().capacity_bytes == 64 * 2**20
 
 
+def _acl_user(server: RedisServer, keys: str, commands: list[str]) -> str:
+    """Add an ACL user allowed every command but ``commands`` on ``keys``;
+    return a store URL (prefix ``mine``) that logs in as it."""
+    server.client().acl_setuser(
+        "limited",
+        enabled=True,
+        passwords=["+pw2"],
+        keys=[keys],
+        categories=["+@all"],
+        commands=commands,
+    )
+    return f"redis://limited:pw2@127.0.0.1:{server.port}/0?prefix=mine"
+
+
 def test_capacity_is_read_from_info_when_acl_refuses_config(
     private_server: RedisServer,
 ) -> None:
     """An ACL user that may not run CONFIG still gets maxmemory (from INFO)."""
-    private_server.client().acl_setuser(
-        "noconfig",
-        enabled=True,
-        passwords=["+pw2"],
-        keys=["*"],
-        categories=["+@all"],
-        commands=["-config"],
-    )
-    url = f"redis://noconfig:pw2@127.0.0.1:{private_server.port}/0?prefix=test-acl"
+    url = _acl_user(private_server, "*", ["-config"])
     with connect(url) as ctx:
         assert ctx.capacity_bytes == 64 * 2**20
+
+
+def test_a_server_whose_acl_hides_its_memory_is_warned_unknown(
+    private_server: RedisServer,
+) -> None:
+    """An ACL refusing CONFIG and INFO: connect warns, capacity and evictions read 0."""
+    url = _acl_user(private_server, "*", ["-config", "-info"])
+    with pytest.warns(RuntimeWarning, match="eviction policy are unknown"):
+        ctx = connect(url, chunk_size=C)
+    assert ctx.capacity_bytes == 0
+    ctx.store(kv_of(TOKENS), TOKENS)
+    stats = ctx.stats()
+    assert (stats.capacity_bytes, stats.evictions, stats.chunks) == (0, 0, 3)
 
 
 def test_a_command_the_acl_refuses_is_a_security_error(
     private_server: RedisServer,
 ) -> None:
     """A user whose keys exclude the prefix: store raises KVStoreSecurityError."""
-    private_server.client().acl_setuser(
-        "elsewhere",
-        enabled=True,
-        passwords=["+pw3"],
-        keys=["other:*"],
-        categories=["+@all"],
-    )
-    url = f"redis://elsewhere:pw3@127.0.0.1:{private_server.port}/0?prefix=mine"
+    url = _acl_user(private_server, "other:*", [])
     with pytest.raises(KVStoreSecurityError, match="ACL refused"):
         connect(url, chunk_size=C).store(kv_of(TOKENS), TOKENS)
 

@@ -64,7 +64,11 @@ class StoreHandle:
         return self._chunk_size
 
     def close(self) -> None:
-        """Release the handle (each backend says what that keeps)."""
+        """Release the handle (each backend says what that keeps).
+
+        Raises:
+            NotImplementedError: Always: each backend defines it.
+        """
         raise NotImplementedError
 
     def __enter__(self: _Handle) -> _Handle:
@@ -81,6 +85,10 @@ class StoreHandle:
 
 def check_positive(label: str, value: object) -> None:
     """Refuse a store parameter (chunk size, capacity) that is not an int >= 1.
+
+    Args:
+        label: The parameter's name, for the message.
+        value: Its value.
 
     Raises:
         KVConfigError: Naming ``label`` and the value.
@@ -121,8 +129,16 @@ def kv_layout(
 
 
 def as_bytes(arr: npt.NDArray[Any], layout: Layout) -> npt.NDArray[np.uint8]:
-    """``arr`` in the store's dtype and C order, viewed as bytes (a copy only
-    when it is not already so), for :func:`~lmcache_mp.kv._chunk.chunk_views`."""
+    """``arr`` in the store's dtype and C order, viewed as bytes.
+
+    Args:
+        arr: A KV checked by :func:`kv_layout`.
+        layout: The store's layout (its dtype).
+
+    Returns:
+        ``arr`` itself viewed as bytes when it is already so, else a copy;
+        what :func:`~lmcache_mp.kv._chunk.chunk_views` slices.
+    """
     return np.ascontiguousarray(arr, dtype=layout.dtype).view(np.uint8)
 
 
@@ -150,6 +166,14 @@ def join_payloads(
 
 def require_layout(fixed: Layout, wanted: Layout, url: str) -> Layout:
     """Return ``fixed`` if ``wanted`` is the same layout.
+
+    Args:
+        fixed: The store's layout.
+        wanted: The layout of a KV given to it.
+        url: The store's URL, for the message.
+
+    Returns:
+        ``fixed``.
 
     Raises:
         KVConfigError: Naming both layouts and the store, if they differ.
@@ -179,8 +203,17 @@ def warn_corrupt(where: str, exc: CorruptChunk, stacklevel: int = 3) -> None:
 
 
 def warn_unfit(url: str, unfit: int, total: int, capacity: str) -> None:
-    """Warn that ``unfit`` of ``total`` new chunks were not stored for lack
-    of room (a store's caller sees the warning at its own call)."""
+    """Warn that chunks were not stored for lack of room.
+
+    Args:
+        url: The store's URL.
+        unfit: Chunks not stored.
+        total: Chunks there were to store.
+        capacity: The capacity, in words (e.g. ``"100 bytes"``).
+
+    The warning points at the call of the store's public method (which
+    calls this through one private method).
+    """
     warnings.warn(
         f"store {url}: {unfit} of {total} new chunks do not fit in its capacity "
         f"of {capacity}; not stored",

@@ -118,6 +118,7 @@ class RedisKVStore(StoreHandle):
 
         Raises:
             KVStoreConnectionError: If the server cannot be reached.
+            KVStoreError: If the store is closed.
         """
         with self._link.errors():
             return server_memory(self._link.open_client()).maxmemory
@@ -125,7 +126,12 @@ class RedisKVStore(StoreHandle):
     @property
     def layout(self) -> Layout | None:
         """``(layers, width, dtype, planes)`` of the stored tensors; ``None``
-        until fixed."""
+        until fixed (read from the server while none is known).
+
+        Raises:
+            KVStoreConnectionError: If the server cannot be reached.
+            KVStoreError: If the layout value is not a layout document.
+        """
         if self._layout.layout is None and not self._link.closed:
             with self._link.errors():
                 raw = fetch(self._link.open_client(), [self._key()])[0]

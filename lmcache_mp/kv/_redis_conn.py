@@ -151,6 +151,9 @@ class RedisTarget:
 def redis_module() -> ModuleType:
     """Import ``redis`` on first use.
 
+    Returns:
+        The ``redis`` module.
+
     Raises:
         KVConfigError: If it is not installed, naming the extra to install.
     """
@@ -182,9 +185,16 @@ os.register_at_fork(after_in_child=_forget_parent_pools)
 def client_for(target: RedisTarget) -> redis.Redis:
     """A client on this process's connection pool for ``target``.
 
-    Every connect and every call is bounded by ``target.timeout``; a
-    dropped connection is retried once at once (a pooled socket the server
-    closed), never with a backoff that would stall the caller.
+    Every connect and every call is bounded by ``target.timeout`` (a
+    timeout is not retried); a dropped connection is retried once at once
+    (a pooled socket the server closed), never with a backoff that would
+    stall the caller.
+
+    Args:
+        target: The server, credentials and timeout.
+
+    Returns:
+        A client; connections are made when it is first used.
 
     Raises:
         KVConfigError: If ``redis`` is not installed.
@@ -205,7 +215,7 @@ def client_for(target: RedisTarget) -> redis.Redis:
                 password=target.password,
                 socket_timeout=target.timeout,
                 socket_connect_timeout=target.timeout,
-                retry=Retry(NoBackoff(), 1),
+                retry=Retry(NoBackoff(), 1, supported_errors=(mod.ConnectionError,)),
             )
             _POOLS[key] = pool
     client: redis.Redis = mod.Redis(connection_pool=pool)
@@ -265,6 +275,12 @@ def server_memory(client: redis.Redis) -> ServerMemory:
     An ACL user often may not run CONFIG; INFO carries the same two values.
     Where both are refused the limit is reported as 0 and no policy.
 
+    Args:
+        client: The client.
+
+    Returns:
+        ``(maxmemory, policy)``.
+
     Raises:
         redis.RedisError: For anything but an ACL refusal.
     """
@@ -300,7 +316,7 @@ def check_policy(memory: ServerMemory, where: str) -> None:
             f"{where}: the server's ACL refuses CONFIG GET and INFO: its "
             "maxmemory and eviction policy are unknown (capacity reported as 0)",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=5,  # at the caller of connect()
         )
     elif memory.maxmemory and memory.policy not in LRU_POLICIES:
         raise KVConfigError(
@@ -312,8 +328,13 @@ def check_policy(memory: ServerMemory, where: str) -> None:
 
 
 def evicted_keys(client: redis.Redis) -> int:
-    """The server's count of evicted keys since it started (0 when the ACL
-    refuses INFO).
+    """The server's count of evicted keys since it started.
+
+    Args:
+        client: The client.
+
+    Returns:
+        INFO stats ``evicted_keys``; 0 when the ACL refuses INFO.
 
     Raises:
         redis.RedisError: For anything but an ACL refusal.
@@ -348,6 +369,10 @@ class RedisLink:
     def client(self) -> redis.Redis:
         """This process's client, open or closed handle alike.
 
+        Returns:
+            The client on this process's pool (made on the first call in a
+            process, so a forked copy never shares its parent's sockets).
+
         Raises:
             KVConfigError: If ``redis`` is not installed.
         """
@@ -361,10 +386,14 @@ class RedisLink:
 
     def open_client(self) -> redis.Redis:
         """The client, for a handle that must be open; call inside
-        :meth:`errors`.
+        :meth:`errors` (the first call here reads the eviction baseline).
+
+        Returns:
+            This process's client.
 
         Raises:
             KVStoreError: If the handle is closed.
+            redis.RedisError: If the baseline cannot be read.
         """
         if self.closed:
             raise KVStoreError(f"{self.where}: the store is closed")
@@ -374,10 +403,23 @@ class RedisLink:
         return client
 
     def evictions(self, client: redis.Redis) -> int:
-        """Keys the server evicted since this handle first used it here
-        (0 after a server restart reset its count)."""
+        """Keys the server evicted since this handle first used it here.
+
+        Args:
+            client: This process's client.
+
+        Returns:
+            The ``evicted_keys`` delta (0 after a restart reset the count).
+
+        Raises:
+            redis.RedisError: If the server fails.
+        """
         return max(0, evicted_keys(client) - (self._evicted_base or 0))
 
     def errors(self) -> contextlib.AbstractContextManager[None]:
-        """:func:`redis_errors` for this handle."""
+        """:func:`redis_errors` for this handle.
+
+        Returns:
+            A context manager turning Redis errors into typed store errors.
+        """
         return redis_errors(self.where, self.target.timeout)

@@ -67,6 +67,12 @@ class KnownLayout:
     def adopt(self, raw: bytes | None) -> Layout | None:
         """Take the layout value read (``None``: keep the one known).
 
+        Args:
+            raw: The layout key's value, as the server returned it.
+
+        Returns:
+            The layout now known, or ``None`` if none ever was.
+
         Raises:
             KVStoreError: If the value is not a layout document.
         """
@@ -77,8 +83,17 @@ class KnownLayout:
     def agree(self, raw: bytes | None, wanted: Layout, url: str) -> Layout:
         """Adopt ``raw`` and return it, if it is ``wanted``.
 
+        Args:
+            raw: The layout key's value after a SET NX of ``wanted``.
+            wanted: The layout of the KV being written.
+            url: The store's URL (password masked), for the message.
+
+        Returns:
+            The store's layout (``wanted`` if the value was just lost).
+
         Raises:
             KVConfigError: If the fixed layout differs from ``wanted``.
+            KVStoreError: If the value is not a layout document.
         """
         return require_layout(self.adopt(raw) or wanted, wanted, url)
 
@@ -133,8 +148,18 @@ def plan_writes(
 
 
 def fetch(conn: redis.Redis, keys: Sequence[str]) -> list[bytes | None]:
-    """GET every key in one round trip (MGET; ``None`` for a key that is
-    missing or not a string). Reading refreshes each key's recency."""
+    """GET every key in one round trip (MGET, which refreshes their recency).
+
+    Args:
+        conn: The client.
+        keys: The keys.
+
+    Returns:
+        Each key's value, ``None`` where it is missing or not a string.
+
+    Raises:
+        redis.RedisError: If the server fails.
+    """
     # The client returns bytes (decode_responses is off).
     return cast("list[bytes | None]", conn.mget(keys))
 
@@ -145,10 +170,19 @@ def probe(
     """Before a write, in one round trip: fix the layout unless one is
     (SET NX) and read the one fixed; TYPE and TOUCH every chunk key.
 
+    Args:
+        conn: The client.
+        layout_key: The namespace's layout key.
+        layout_doc: The layout of the KV being written (``encode_layout``).
+        keys: The chunk keys.
+
     Returns:
         ``(layout value, type of each key)``: ``b"none"`` for a missing key,
         ``b"string"`` for a chunk (now touched for LRU), else a value that
         is not a chunk.
+
+    Raises:
+        redis.RedisError: If the server fails.
     """
     pipe = conn.pipeline(transaction=False)
     pipe.set(layout_key, layout_doc, nx=True)
@@ -168,6 +202,10 @@ def set_values(
     A value the server refuses for lack of memory is skipped; a key it
     could not replace is deleted, so that no prefix mixes old and new
     chunks.
+
+    Args:
+        conn: The client.
+        items: ``(key, value, nx)``: with ``nx``, only if the key is missing.
 
     Returns:
         ``(written, refused)``: values set, and values refused for memory.
@@ -204,6 +242,11 @@ def stage_values(
     digest in it lets a second commit see that its chunks are in place.
     All or nothing: on any failure the staged keys written are deleted.
 
+    Args:
+        conn: The client.
+        tmp_key: The namespace's staging prefix (``{prefix}:{kind}:tmp``).
+        items: ``(chunk key, chunk value)`` pairs.
+
     Returns:
         The ``(staged key, chunk key)`` moves for :func:`move_all`.
 
@@ -232,6 +275,10 @@ def move_all(conn: redis.Redis, moves: Sequence[tuple[str, str]]) -> int:
     The staged keys are WATCHed, so one that expires or is evicted between
     the check and EXEC aborts the transaction, which is then retried.
 
+    Args:
+        conn: The client.
+        moves: ``(staged key, chunk key)`` pairs from :func:`stage_values`.
+
     Returns:
         How many staged keys were there (all of them: moved).
 
@@ -259,8 +306,22 @@ def move_all(conn: redis.Redis, moves: Sequence[tuple[str, str]]) -> int:
 
 
 def holds_staged(conn: redis.Redis, moves: Sequence[tuple[str, str]]) -> bool:
-    """Whether every chunk key holds the chunk its staged key was for (a
-    commit already made), judged by the header digest in the staged key."""
+    """Whether every chunk key holds the chunk its staged key was for.
+
+    How a second commit tells "already committed" from "staging lost":
+    the header digest in each staged key's name is compared with the
+    digest the chunk key's value holds.
+
+    Args:
+        conn: The client.
+        moves: ``(staged key, chunk key)`` pairs from :func:`stage_values`.
+
+    Returns:
+        True if every chunk holds its staged value's digest.
+
+    Raises:
+        redis.RedisError: If the server fails.
+    """
     pipe = conn.pipeline(transaction=False)
     for _, key in moves:
         pipe.getrange(key, _DIGEST.start, _DIGEST.stop - 1)
@@ -273,8 +334,19 @@ def holds_staged(conn: redis.Redis, moves: Sequence[tuple[str, str]]) -> bool:
 
 
 def drop_if_same(conn: redis.Redis, key: str, value: bytes) -> None:
-    """Delete ``key`` if it still holds ``value``: a writer may have stored
-    a good chunk there since it was read, and that one is kept."""
+    """Delete ``key`` if it still holds ``value`` (WATCH, GET, MULTI, DEL).
+
+    A writer may have stored a good chunk there since it was read, and
+    that one is kept.
+
+    Args:
+        conn: The client.
+        key: The chunk key.
+        value: The corrupt value read from it.
+
+    Raises:
+        redis.RedisError: If the server fails.
+    """
     mod = redis_module()
     with conn.pipeline() as pipe:
         try:
@@ -288,7 +360,18 @@ def drop_if_same(conn: redis.Redis, key: str, value: bytes) -> None:
 
 
 def chunk_bytes(conn: redis.Redis, pattern: str) -> list[int]:
-    """The length of every value whose key matches ``pattern``."""
+    """The length of every value whose key matches ``pattern``.
+
+    Args:
+        conn: The client.
+        pattern: A SCAN MATCH pattern.
+
+    Returns:
+        One length per key found (SCAN, then STRLEN in one round trip).
+
+    Raises:
+        redis.RedisError: If the server fails.
+    """
     keys = list(conn.scan_iter(match=pattern, count=_BATCH))
     if not keys:
         return []
@@ -299,8 +382,17 @@ def chunk_bytes(conn: redis.Redis, pattern: str) -> list[int]:
 
 
 def delete_matching(conn: redis.Redis, pattern: str) -> None:
-    """Delete every key matching ``pattern`` (SCAN, then UNLINK in batches,
-    so that neither blocks the server for long)."""
+    """Delete every key matching ``pattern``.
+
+    SCAN, then UNLINK in batches, so that neither blocks the server long.
+
+    Args:
+        conn: The client.
+        pattern: A SCAN MATCH pattern.
+
+    Raises:
+        redis.RedisError: If the server fails.
+    """
     batch: list[bytes] = []
     for key in conn.scan_iter(match=pattern, count=_BATCH):
         batch.append(key)
