@@ -45,10 +45,9 @@ from lmcache_mp.kv._redis_ops import (
     delete_matching,
     drop_if_same,
     fetch,
-    holds_staged,
-    move_all,
     plan_writes,
     probe,
+    publish,
     set_values,
     stage_values,
     valid_prefix,
@@ -379,19 +378,13 @@ class RedisKVStore(StoreHandle):
                 commit: the cached chunks are left as they were, and the
                 rest of the staging is deleted.
         """
-        if not moves:
-            return
         with self._link.errors():
-            conn = self._link.open_client()
-            present = move_all(conn, moves) if keep else 0
-            if present == len(moves) or (keep and holds_staged(conn, moves)):
-                return
-            conn.delete(*(tmp for tmp, _ in moves))
-        if keep:
+            lost = publish(self._link.open_client(), moves, keep)
+        if lost:
             raise KVStoreError(
-                f"{self._link.where}: {len(moves) - present} of {len(moves)} "
-                "staged chunks expired or were evicted before the commit; the "
-                "cached chunks are unchanged"
+                f"{self._link.where}: {lost} of {len(moves)} staged chunks "
+                "expired or were evicted before the commit; the cached chunks "
+                "are unchanged"
             )
 
     def sweep(self) -> int:

@@ -34,6 +34,7 @@ __all__ = [
     "move_all",
     "plan_writes",
     "probe",
+    "publish",
     "set_values",
     "stage_values",
     "valid_prefix",
@@ -303,6 +304,34 @@ def move_all(conn: redis.Redis, moves: Sequence[tuple[str, str]]) -> int:
             except mod.WatchError:
                 continue
     raise mod.RedisError(f"staged keys changed during {_COMMIT_TRIES} commit tries")
+
+
+def publish(conn: redis.Redis, moves: Sequence[tuple[str, str]], keep: bool) -> int:
+    """Commit staged chunks (``keep``: :func:`move_all`) or delete them.
+
+    A second commit finds the staged keys gone and the chunks holding their
+    digests (:func:`holds_staged`): nothing to do. A commit that finds
+    staged keys lost (expired, evicted) moves none and deletes the rest.
+
+    Args:
+        conn: The client.
+        moves: ``(staged key, chunk key)`` pairs from :func:`stage_values`.
+        keep: Commit; otherwise discard.
+
+    Returns:
+        How many staged keys a commit found lost (0: committed, now or
+        before; always 0 for a discard).
+
+    Raises:
+        redis.RedisError: If the server fails.
+    """
+    if not moves:
+        return 0
+    present = move_all(conn, moves) if keep else 0
+    if present == len(moves) or (keep and holds_staged(conn, moves)):
+        return 0
+    conn.delete(*(tmp for tmp, _ in moves))
+    return len(moves) - present if keep else 0
 
 
 def holds_staged(conn: redis.Redis, moves: Sequence[tuple[str, str]]) -> bool:
