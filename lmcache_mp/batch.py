@@ -51,9 +51,12 @@ class LMCacheBatchedStream:
             (threads or that pool, chosen per phase from the engine and
             from the first stream of each new modify fn; the report says
             which and why), ``"thread"`` (one thread per stream,
-            upstream's design), ``"serial"``, or a
+            upstream's design), ``"serial"``, a
             ``concurrent.futures.Executor`` the caller owns (not shut down
-            by :meth:`close`).
+            by :meth:`close`), a ``distributed.Client`` or
+            ``"dask://HOST:PORT"`` (Dask tasks), or ``"ray"`` /
+            ``"ray://HOST:PORT"`` (Ray tasks, on the runtime this process
+            has initialised or a new one); see the README's "Scaling out".
         max_workers: Worker processes (``"process"``; default: physical
             cores, at most the number of streams) or threads (``"thread"``;
             default: one per stream).
@@ -82,7 +85,7 @@ class LMCacheBatchedStream:
 
     def __init__(
         self,
-        executor: str | Executor | PhaseExecutor = "process",
+        executor: str | Executor | PhaseExecutor | Any = "process",
         *,
         max_workers: int | None = None,
         mp_context: str = "spawn",

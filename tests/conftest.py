@@ -13,6 +13,13 @@ import pytest
 
 from lmcache_mp._paths import shm_root
 from lmcache_mp.kv import SharedMemoryKVStore, connect
+from tests._clusters import (
+    CLUSTER_ROOTS,
+    RAY_LOOPBACK_ENV,
+    DaskHosts,
+    descendants_of_clusters,
+    worker_env,
+)
 from tests._fakes import FakeEngine, InMemoryKV
 from tests._redis_server import RedisServer, running
 from tests._store_util import StoreFactory, unique_url
@@ -23,7 +30,10 @@ _SESSION_HELPERS = ("resource_tracker", "forkserver")
 
 def _children() -> set[int]:
     found = set()
+    clusters = descendants_of_clusters()
     for child in psutil.Process().children(recursive=True):
+        if child.pid in clusters:
+            continue
         try:
             cmdline = " ".join(child.cmdline())
         except psutil.Error:
@@ -154,3 +164,45 @@ def store_url(request: pytest.FixtureRequest, redis_server: RedisServer) -> str:
         url: str = request.getfixturevalue("redis_url")
         return url
     return unique_url()
+
+
+# --- Scale-out: a Dask cluster of three loopback hosts, a Ray runtime -----
+
+
+@pytest.fixture(scope="session")
+def dask_hosts() -> Iterator[DaskHosts]:
+    """A Dask scheduler and 3 workers on 127.0.0.2-4, shared by the session."""
+    hosts = DaskHosts(3)
+    yield hosts
+    hosts.close()
+
+
+@pytest.fixture
+def own_dask_hosts() -> Iterator[DaskHosts]:
+    """A Dask cluster of 3 loopback hosts for one test (which may kill one)."""
+    hosts = DaskHosts(3)
+    yield hosts
+    hosts.close()
+
+
+@pytest.fixture(scope="session")
+def ray_runtime() -> Iterator[None]:
+    """A local Ray runtime (2 CPUs) on 127.0.0.1, initialised in this process."""
+    # Before ray is imported: it reads the loopback switch at import time.
+    os.environ.update(RAY_LOOPBACK_ENV)
+    os.environ["PYTHONPATH"] = worker_env()["PYTHONPATH"]
+    import ray
+
+    before = {p.pid for p in psutil.Process().children()}
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="warning",
+    )
+    started = {p.pid for p in psutil.Process().children()} - before
+    CLUSTER_ROOTS.update(started)
+    yield
+    ray.shutdown()
+    CLUSTER_ROOTS.difference_update(started)

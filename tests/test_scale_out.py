@@ -1,0 +1,222 @@
+"""Specification of scale-out (issue #10): the same batch on Dask and Ray,
+with the shared-memory store or Redis.
+
+The Dask cluster is real: a scheduler and three ``dask worker`` processes,
+each its own "host" on 127.0.0.2-4. Ray is a real local runtime on
+127.0.0.1 (see ``tests/_clusters.py`` for why not several Ray nodes).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from functools import partial
+from typing import Any
+
+import numpy as np
+import pytest
+
+import lmcache_mp
+import lmcache_mp.batch as lmc_batch
+import lmcache_mp.stream as lmc_stream
+from lmcache_mp.edits import make_edit
+from lmcache_mp.engine import EmbeddedEngine, EngineConfig
+from lmcache_mp.errors import LMCacheBatchedStreamError, TerminatedWorkerError
+from tests._clusters import DaskHosts
+
+CHUNK = 16
+PROMPT = 64
+N_STREAMS = 6
+
+
+def _prompts(n: int = N_STREAMS) -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(1, 512, PROMPT).tolist() for _ in range(n)]
+
+
+def _executor(name: str, request: pytest.FixtureRequest) -> Any:
+    """The ``executor=`` argument for ``name``, starting its cluster."""
+    if name == "dask":
+        return request.getfixturevalue("dask_hosts").client()
+    if name == "ray":
+        request.getfixturevalue("ray_runtime")
+        return "ray"
+    return name
+
+
+def _seed_pipeline(executor: Any, url: str) -> list[tuple[Any, ...]]:
+    """The seed's block: prefill, drop KV, decode; what each stream ends with."""
+    ctx = lmcache_mp.connect(url, chunk_size=CHUNK)
+    try:
+        engine = EmbeddedEngine(ctx, EngineConfig())
+        with lmc_batch.LMCacheBatchedStream(executor) as batch:
+            for toks in _prompts():
+                batch.add(lmc_stream.create_request(ctx, engine, toks))
+            batch.prefill({"temperature": 0.0})
+            batch.modify(make_edit("window", sinks=CHUNK, window=CHUNK))
+            batch.decode({"max_tokens": 8, "temperature": 0.0})
+            ends = []
+            for s in batch.streams.values():
+                kv = ctx.retrieve(s.tokens)
+                assert kv is not None
+                ends.append((s.tokens, s.output_tokens(), float(kv.sum())))
+            return ends
+    finally:
+        ctx.destroy()
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[tuple[Any, ...]]:
+    """The serial run on a fresh shared-memory store."""
+    return _seed_pipeline("serial", f"shm:///scale-ref-{os.getpid()}")
+
+
+@pytest.mark.parametrize("store_kind", ["shm", "redis"])
+@pytest.mark.parametrize("executor_name", ["serial", "process", "dask", "ray"])
+def test_seed_pipeline_is_identical_on_every_executor_and_store(
+    executor_name: str,
+    store_kind: str,
+    reference: list[tuple[Any, ...]],
+    redis_server: Any,
+    request: pytest.FixtureRequest,
+) -> None:
+    """Tokens, KV sums and decoded tokens equal the serial run's on every executor, with either store."""
+    executor = _executor(executor_name, request)
+    if store_kind == "redis":
+        url = request.getfixturevalue("redis_url")
+    else:
+        url = f"shm:///scale-{executor_name}-{os.getpid()}"
+    try:
+        assert _seed_pipeline(executor, url) == reference
+    finally:
+        if executor_name == "dask":
+            executor.close()
+
+
+def test_dask_phase_ships_states_and_spec_not_kv(
+    dask_hosts: DaskHosts, redis_url: str
+) -> None:
+    """A Dask modify moves ≤ 0.1 MiB through Dask while the KV goes through Redis."""
+    ctx = lmcache_mp.connect(redis_url, chunk_size=CHUNK)
+    client = dask_hosts.client()
+    try:
+        engine = EmbeddedEngine(ctx, EngineConfig())
+        with lmc_batch.LMCacheBatchedStream(client) as batch:
+            for toks in _prompts():
+                batch.add(lmc_stream.create_request(ctx, engine, toks))
+            batch.prefill({})
+            report = batch.modify(make_edit("random", keep=0.5)).to_dict()
+        transport = report["metrics"]["transport"]
+        shipped = transport["pickled_bytes_sent"] + transport["pickled_bytes_received"]
+        assert shipped <= 0.1 * 2**20
+        kv_bytes = N_STREAMS * ctx.retrieve(_prompts()[0]).nbytes  # type: ignore[union-attr]
+        assert kv_bytes > 4 * shipped
+    finally:
+        client.close()
+        ctx.destroy()
+
+
+def sleepy_window(
+    kv: np.ndarray, tokens: list[int], *, signals: str
+) -> tuple[np.ndarray, list[int]]:
+    """Announces its host in a file named by the first token, then takes 3 s."""
+    import distributed
+
+    host = distributed.get_worker().address.split("://")[1].split(":")[0]
+    with open(os.path.join(signals, f"{host}-{tokens[0]}"), "w"):
+        pass
+    time.sleep(3.0)
+    return kv[:, :, :CHUNK], tokens[:CHUNK]
+
+
+def _kill_when_started(
+    hosts: DaskHosts, signals: str, ip: str, killed: list[str]
+) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        started = [n for n in os.listdir(signals) if n.startswith(f"{ip}-")]
+        if started:
+            hosts.kill_host(ip)
+            killed.extend(started)
+            return
+        time.sleep(0.02)
+
+
+def test_a_lost_dask_host_fails_only_its_streams(
+    own_dask_hosts: DaskHosts, redis_url: str, tmp_path: Any
+) -> None:
+    """Killing a host mid-modify fails the streams it ran, naming it; they keep state and KV, the others commit, decode runs on the rest."""
+    ctx = lmcache_mp.connect(redis_url, chunk_size=CHUNK)
+    client = own_dask_hosts.client()
+    try:
+        engine = EmbeddedEngine(ctx, EngineConfig())
+        signals = str(tmp_path)
+        with lmc_batch.LMCacheBatchedStream(client) as batch:
+            for toks in _prompts():
+                batch.add(lmc_stream.create_request(ctx, engine, toks))
+            batch.prefill({})
+            before = {sid: s.state.copy() for sid, s in batch.streams.items()}
+            killed: list[str] = []
+            killer = threading.Thread(
+                target=_kill_when_started,
+                args=(own_dask_hosts, signals, "127.0.0.3", killed),
+            )
+            killer.start()
+            with pytest.raises(LMCacheBatchedStreamError) as info:
+                batch.modify(partial(sleepy_window, signals=signals), timeout=120)
+            killer.join(60)
+            lost = {
+                sid
+                for sid, s in batch.streams.items()
+                if f"127.0.0.3-{s.tokens[0]}" in killed
+            }
+            assert lost and set(info.value.failures) == lost
+            for sid in lost:
+                error = info.value.failures[sid]
+                assert isinstance(error, TerminatedWorkerError)
+                assert "127.0.0.3" in str(error) and sid in str(error)
+                assert batch.streams[sid].state == before[sid]
+                assert ctx.retrieve(batch.streams[sid].tokens).shape[2] == PROMPT  # type: ignore[union-attr]
+            for sid in set(batch.streams) - lost:
+                assert len(batch.streams[sid].tokens) == CHUNK
+            decoded = batch.decode({"max_tokens": 2})
+            assert decoded.to_dict()["metrics"]["results"]["output_tokens"] > 0
+    finally:
+        client.close()
+        ctx.destroy()
+
+
+def crash_on_marked(kv: np.ndarray, tokens: list[int]) -> tuple[np.ndarray, list[int]]:
+    """Kills its own worker process for the stream whose prompt starts with 1."""
+    if tokens[0] == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return kv[:, :, :CHUNK], tokens[:CHUNK]
+
+
+def test_a_dead_ray_worker_fails_only_its_stream(ray_runtime: None) -> None:
+    """A Ray worker killed mid-modify fails its stream with TerminatedWorkerError; the others commit."""
+    ctx = lmcache_mp.connect(chunk_size=CHUNK)
+    try:
+        engine = EmbeddedEngine(ctx, EngineConfig())
+        prompts = _prompts(4)
+        prompts[2][0] = 1
+        with lmc_batch.LMCacheBatchedStream("ray") as batch:
+            for toks in prompts:
+                batch.add(lmc_stream.create_request(ctx, engine, toks))
+            batch.prefill({})
+            marked = next(s for s, st in batch.streams.items() if st.tokens[0] == 1)
+            before = batch.streams[marked].state.copy()
+            with pytest.raises(LMCacheBatchedStreamError) as info:
+                batch.modify(crash_on_marked, timeout=120)
+            assert list(info.value.failures) == [marked]
+            error = info.value.failures[marked]
+            assert isinstance(error, TerminatedWorkerError) and "ray worker" in str(
+                error
+            )
+            assert batch.streams[marked].state == before
+            others = [s for sid, s in batch.streams.items() if sid != marked]
+            assert all(len(s.tokens) == CHUNK for s in others)
+    finally:
+        ctx.destroy()
