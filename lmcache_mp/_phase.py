@@ -20,10 +20,18 @@ from lmcache_mp._records import (
     StreamPerfMetrics,
     StreamState,
 )
+from lmcache_mp.errors import KVStoreError, LMCacheBatchedStreamError
 from lmcache_mp.kv import KVContext
 from lmcache_mp.stream import LMCacheStream
 
-__all__ = ["PhaseKind", "PhaseSpec", "StreamJob", "StreamOutcome", "build_phase"]
+__all__ = [
+    "PhaseKind",
+    "PhaseSpec",
+    "StreamJob",
+    "StreamOutcome",
+    "build_phase",
+    "check_stores",
+]
 
 PhaseKind = Literal["generate", "modify"]
 
@@ -134,3 +142,28 @@ def build_phase(
         **spec_args,
     )
     return spec, jobs
+
+
+def check_stores(spec: PhaseSpec, jobs: list[StreamJob]) -> None:
+    """Fail fast when a networked store is down (issue #10): ping each
+    context that can be pinged before any stream runs, so that a Redis that
+    is down or refuses the password is one clear error, not one timeout per
+    stream on every worker.
+
+    Raises:
+        LMCacheBatchedStreamError: Naming every stream of an unreachable
+            store; nothing has run or been committed.
+    """
+    for index, ctx in enumerate(spec.contexts):
+        ping = getattr(ctx, "ping", None)
+        if not callable(ping):
+            continue
+        try:
+            ping()
+        except KVStoreError as exc:
+            sids = [job.stream_id for job in jobs if job.ctx_index == index]
+            raise LMCacheBatchedStreamError(
+                f"the phase did not start: the KV store of streams "
+                f"{', '.join(sids)} is unavailable: {exc}",
+                dict.fromkeys(sids, exc),
+            ) from exc

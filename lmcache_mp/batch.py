@@ -21,7 +21,7 @@ from typing import Any
 from lmcache_mp._arrays import check_array_type
 from lmcache_mp._commit import commit
 from lmcache_mp._memory import modify_bound
-from lmcache_mp._phase import build_phase
+from lmcache_mp._phase import build_phase, check_stores
 from lmcache_mp._reports import ExecutorInfo, generate_report, modify_report
 from lmcache_mp.errors import (
     LMCacheBatchedStreamError,
@@ -172,6 +172,7 @@ class LMCacheBatchedStream:
     ) -> tuple[float, dict[str, BaseException]]:
         """Run a phase over ``ids``; commit the successes; return failures."""
         spec, jobs = build_phase([self.streams[sid] for sid in ids], **spec_args)
+        check_stores(spec, jobs)
         max_in_flight = self._modify_bound(ids) if spec.kind == "modify" else None
         with self._lock:
             start = time.perf_counter()

@@ -23,8 +23,14 @@ import lmcache_mp.batch as lmc_batch
 import lmcache_mp.stream as lmc_stream
 from lmcache_mp.edits import make_edit
 from lmcache_mp.engine import EmbeddedEngine, EngineConfig
-from lmcache_mp.errors import LMCacheBatchedStreamError, TerminatedWorkerError
+from lmcache_mp.errors import (
+    KVStoreAuthError,
+    KVStoreConnectionError,
+    LMCacheBatchedStreamError,
+    TerminatedWorkerError,
+)
 from tests._clusters import DaskHosts
+from tests._redis_server import running
 
 CHUNK = 16
 PROMPT = 64
@@ -220,3 +226,46 @@ def test_a_dead_ray_worker_fails_only_its_stream(ray_runtime: None) -> None:
             assert all(len(s.tokens) == CHUNK for s in others)
     finally:
         ctx.destroy()
+
+
+def _prefilled_on(
+    url: str, executor: Any
+) -> tuple[Any, lmc_batch.LMCacheBatchedStream]:
+    ctx = lmcache_mp.connect(url, chunk_size=CHUNK)
+    batch = lmc_batch.LMCacheBatchedStream(executor)
+    for toks in _prompts(3):
+        batch.add(
+            lmc_stream.create_request(ctx, EmbeddedEngine(ctx, EngineConfig()), toks)
+        )
+    batch.prefill({})
+    return ctx, batch
+
+
+@pytest.mark.parametrize("failure", ["down", "password changed"])
+def test_a_redis_lost_before_a_phase_fails_it_at_start(
+    failure: str, dask_hosts: DaskHosts
+) -> None:
+    """A Redis that is down or refuses the password fails the phase at its start, naming every stream, and nothing commits."""
+    client = dask_hosts.client()
+    with running() as server:
+        ctx, batch = _prefilled_on(server.url("down-test"), client)
+        before = {sid: s.state.copy() for sid, s in batch.streams.items()}
+        try:
+            if failure == "down":
+                server.stop()
+            else:
+                # As a restart with a new password: every connection drops.
+                server.client().config_set("requirepass", "another-password")
+                server.password = "another-password"
+                server.client().client_kill_filter(_type="normal", skipme=True)
+            with pytest.raises(LMCacheBatchedStreamError) as info:
+                batch.modify(make_edit("random", keep=0.5))
+            assert set(info.value.failures) == set(batch.streams)
+            expected = KVStoreConnectionError if failure == "down" else KVStoreAuthError
+            assert all(isinstance(e, expected) for e in info.value.failures.values())
+            assert {sid: s.state for sid, s in batch.streams.items()} == before
+        finally:
+            # The server and its keys go with the block.
+            batch.close()
+            client.close()
+            ctx.close()
