@@ -348,30 +348,40 @@ def test_a_planted_value_of_another_type_is_replaced(ctx: RedisKVStore) -> None:
     assert ctx.stats().corrupt == 1
 
 
-def _store_then_retrieve(ctx: RedisKVStore, tokens: list[int]) -> bytes:
+def _use_in_child(ctx: RedisKVStore, tokens: list[int], pipe: Connection) -> None:
+    """Store and retrieve ``tokens`` through ``ctx``; send back the KV's bytes
+    and the id of the pool used (an object inherited by fork keeps its id)."""
     ctx.store(kv_of(tokens, seed=7), tokens)
     got = ctx.retrieve(tokens)
     assert got is not None
-    return bytes(bits(got))
+    pipe.send((bytes(bits(got)), id(ctx._redis().connection_pool)))
+
+
+def _run_child(method: str, ctx: RedisKVStore, tokens: list[int]) -> tuple[bytes, int]:
+    """Run :func:`_use_in_child` in a child started by ``method``; return
+    what it sent (every wait bounded by JOIN_TIMEOUT_S)."""
+    mp = multiprocessing.get_context(method)
+    mine, theirs = mp.Pipe()
+    child = mp.Process(target=_use_in_child, args=(ctx, tokens, theirs))
+    child.start()
+    try:
+        assert mine.poll(JOIN_TIMEOUT_S), "the child sent nothing"
+        got: tuple[bytes, int] = mine.recv()
+    finally:
+        child.join(JOIN_TIMEOUT_S)
+        mine.close()
+        theirs.close()
+    assert child.exitcode == 0
+    return got
 
 
 def test_a_spawned_process_uses_the_pickled_store(ctx: RedisKVStore) -> None:
-    """A spawned child given the pickled store reads the parent's chunks and writes its own."""
-    ctx.store(kv_of(TOKENS), TOKENS)
+    """A spawned child given the pickled store writes chunks the parent then reads."""
     assert len(pickle.dumps(ctx)) < 1000
     other = list(range(900, 900 + 2 * C))
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        got = pool.apply_async(_store_then_retrieve, (ctx, other)).get(JOIN_TIMEOUT_S)
-        pool.close()
-        pool.join()
+    got, _ = _run_child("spawn", ctx, other)
     assert got == bytes(bits(kv_of(other, seed=7)))
     np.testing.assert_array_equal(bits(ctx.retrieve(other)), bits(kv_of(other, seed=7)))
-
-
-def _forked(ctx: RedisKVStore, tokens: list[int], pipe: Connection) -> None:
-    got = _store_then_retrieve(ctx, tokens)
-    # Objects inherited by fork keep their id: the parent's pool would too.
-    pipe.send((got, id(ctx._redis().connection_pool)))
 
 
 def test_a_forked_child_opens_its_own_connections(ctx: RedisKVStore) -> None:
@@ -379,18 +389,8 @@ def test_a_forked_child_opens_its_own_connections(ctx: RedisKVStore) -> None:
     ctx.store(kv_of(TOKENS), TOKENS)
     parent_pool = ctx._redis().connection_pool
     other = list(range(700, 700 + 2 * C))
-    mp = multiprocessing.get_context("fork")
-    mine, theirs = mp.Pipe()
-    child = mp.Process(target=_forked, args=(ctx, other, theirs))
-    child.start()
-    try:
-        assert mine.poll(JOIN_TIMEOUT_S)
-        got, child_pool_id = mine.recv()
-    finally:
-        child.join(JOIN_TIMEOUT_S)
-        mine.close()
-        theirs.close()
-    assert child.exitcode == 0 and child_pool_id != id(parent_pool)
+    got, child_pool_id = _run_child("fork", ctx, other)
+    assert child_pool_id != id(parent_pool)
     assert got == bytes(bits(kv_of(other, seed=7)))
     assert ctx._redis().connection_pool is parent_pool
     np.testing.assert_array_equal(bits(ctx.retrieve(TOKENS)), bits(kv_of(TOKENS)))
