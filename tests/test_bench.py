@@ -98,6 +98,22 @@ def test_no_flags_runs_the_default_config() -> None:
         (["--sweep", "prompt-tokens"], "sweep", "prompt-tokens"),
         (["--chunk-size", "32"], "chunk_size", 32),
         (["--seed", "7"], "seed", 7),
+        (["--executor", "dask"], "executors", ("dask",)),
+        (
+            ["--executor", "dask", "--scheduler", "dask://127.0.0.1:8786"],
+            "scheduler",
+            "dask://127.0.0.1:8786",
+        ),
+        (
+            ["--executor", "ray", "--ray-address", "ray://h:1"],
+            "ray_address",
+            "ray://h:1",
+        ),
+        (
+            ["--store", "redis://127.0.0.1:6379/0?prefix=b"],
+            "store",
+            "redis://127.0.0.1:6379/0?prefix=b",
+        ),
     ],
 )
 def test_each_flag_sets_its_field(flags: list[str], field: str, value: Any) -> None:
@@ -123,6 +139,12 @@ def test_each_flag_sets_its_field(flags: list[str], field: str, value: Any) -> N
         (["--start-method", "thread"], "invalid choice: 'thread'"),
         (["--head-dim", "7"], "head_dim is 7, expected an even number"),
         (["--json", "/nonexistent-dir/x.json"], "/nonexistent-dir does not exist"),
+        (["--scheduler", "dask://h:1"], "--scheduler is for the dask executor"),
+        (["--ray-address", "h:1"], "--ray-address is for the ray executor"),
+        (
+            ["--executors", "dask", "--scheduler", "dask://h:1", "--sweep", "workers"],
+            "a given --scheduler or --ray-address has the size it has",
+        ),
     ],
 )
 def test_bad_values_are_usage_errors(

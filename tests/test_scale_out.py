@@ -21,6 +21,8 @@ import pytest
 import lmcache_mp
 import lmcache_mp.batch as lmc_batch
 import lmcache_mp.stream as lmc_stream
+from lmcache_mp.__main__ import main
+from lmcache_mp.bench._engines import fresh_store_url
 from lmcache_mp.edits import make_edit
 from lmcache_mp.engine import EmbeddedEngine, EngineConfig
 from lmcache_mp.errors import (
@@ -269,3 +271,45 @@ def test_a_redis_lost_before_a_phase_fails_it_at_start(
             batch.close()
             client.close()
             ctx.close()
+
+
+def test_fresh_store_urls_name_a_new_store_under_the_given_one() -> None:
+    """Each bench run gets its own prefix (Redis) or name (shm) under the URL given."""
+    first = fresh_store_url("redis://:pw@127.0.0.1:6379/0?prefix=bench&timeout=3")
+    second = fresh_store_url("redis://:pw@127.0.0.1:6379/0?prefix=bench&timeout=3")
+    assert first != second
+    assert first.startswith("redis://:pw@127.0.0.1:6379/0?prefix=bench-")
+    assert "timeout=3" in first
+    assert fresh_store_url("shm:///runs").startswith("shm:///runs-")
+
+
+def test_bench_runs_dask_and_ray_beside_the_pool_on_redis(
+    dask_hosts: DaskHosts,
+    ray_runtime: None,
+    redis_url: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``bench --executors process,dask,ray --scheduler --store redis://`` prints every phase of each, with identical decode outputs, and leaves no key."""
+    status = main(
+        [
+            "bench",
+            "--streams=3",
+            "--prompt-tokens=64",
+            "--layers=1",
+            "--kv-heads=2",
+            "--head-dim=8",
+            "--max-tokens=4",
+            "--chunk-size=16",
+            "--edit=random",
+            "--executors=process,dask,ray",
+            f"--scheduler={dask_hosts.address}",
+            f"--store={redis_url}",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert status == 0
+    rows = [line.split()[:2] for line in out.splitlines()]
+    for phase in ("prefill", "modify", "decode"):
+        for name in ("process", "dask", "ray"):
+            assert [phase, name] in rows
+    assert "decode outputs: identical across executors" in out

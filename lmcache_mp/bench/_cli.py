@@ -16,6 +16,7 @@ from lmcache_mp.bench._compare import (
     run_compare,
 )
 from lmcache_mp.bench._config import (
+    BENCH_EXECUTORS,
     DEFAULT_KEEP,
     DROPPING_EDITS,
     SWEEPS,
@@ -28,7 +29,7 @@ from lmcache_mp.bench._result import run_bench
 from lmcache_mp.edits import EDITS
 from lmcache_mp.engine._config import KV_DTYPES
 from lmcache_mp.errors import KVConfigError, LMCacheError
-from lmcache_mp.executors import EXECUTOR_NAMES, physical_cores
+from lmcache_mp.executors import physical_cores
 
 __all__ = ["add_bench_parser", "config_from_args", "run_bench_command"]
 
@@ -111,11 +112,13 @@ def add_bench_parser(
     run = p.add_argument_group("what runs")
     run.add_argument(
         "--executors",
-        type=_names("executor", EXECUTOR_NAMES),
+        "--executor",
+        dest="executors",
+        type=_names("executor", BENCH_EXECUTORS),
         default=d.executors,
         metavar="NAMES",
-        help=f"comma-separated, from {', '.join(EXECUTOR_NAMES)} "
-        f"(default: {','.join(d.executors)})",
+        help=f"comma-separated, from {', '.join(BENCH_EXECUTORS)} "
+        f"(default: {','.join(d.executors)}); dask and ray need their extras",
     )
     run.add_argument(
         "--edit",
@@ -159,6 +162,25 @@ def add_bench_parser(
         choices=multiprocessing.get_all_start_methods(),
         default=d.start_method,
         help=f"(default: {d.start_method})",
+    )
+    pool.add_argument(
+        "--scheduler",
+        metavar="ADDR",
+        help="Dask scheduler (dask://HOST:PORT or tcp://HOST:PORT) for the dask "
+        "executor (default: a local cluster of --workers workers per run)",
+    )
+    pool.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="Ray cluster (ray://HOST:PORT, HOST:PORT) for the ray executor "
+        "(default: a local runtime of --workers CPUs per run)",
+    )
+    pool.add_argument(
+        "--store",
+        metavar="URL",
+        help="KV store URL, e.g. redis://:PASSWORD@HOST:PORT/0?prefix=NAME; "
+        "each run gets a fresh name under it (default: a temporary "
+        "shared-memory store per run)",
     )
     out = p.add_argument_group("measuring and output")
     _int(out, "--repeat", 1, d.repeat, "runs per executor; shows median (min-max)")
@@ -228,6 +250,15 @@ def config_from_args(
                 f"--keep applies to the dropping edits ({', '.join(DROPPING_EDITS)})"
                 f"; {which} every token"
             )
+    if args.scheduler is not None and "dask" not in args.executors:
+        parser.error("--scheduler is for the dask executor: add it to --executors")
+    if args.ray_address is not None and "ray" not in args.executors:
+        parser.error("--ray-address is for the ray executor: add it to --executors")
+    if args.sweep == "workers" and (args.scheduler or args.ray_address):
+        parser.error(
+            "--sweep workers starts local clusters of each size; a given "
+            "--scheduler or --ray-address has the size it has"
+        )
     _check_path(parser, "--json", args.json)
     _check_path(parser, "--plot", args.plot)
     if args.plot is not None:
@@ -253,6 +284,9 @@ def config_from_args(
             sweep=args.sweep,
             chunk_size=args.chunk_size,
             seed=args.seed,
+            store=args.store,
+            scheduler=args.scheduler,
+            ray_address=args.ray_address,
         )
     except (ValueError, KVConfigError) as exc:
         parser.error(f"invalid configuration: {exc}")

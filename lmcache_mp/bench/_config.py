@@ -16,6 +16,7 @@ from lmcache_mp.engine._config import KV_DTYPES
 from lmcache_mp.executors import EXECUTOR_NAMES
 
 __all__ = [
+    "BENCH_EXECUTORS",
     "DEFAULT_KEEP",
     "DROPPING_EDITS",
     "SWEEPS",
@@ -24,6 +25,8 @@ __all__ = [
     "sweep_values",
 ]
 
+#: Executors the bench can run: the library's names and the engines.
+BENCH_EXECUTORS = (*EXECUTOR_NAMES, "dask", "ray")
 #: Edits that drop tokens, to which ``keep`` applies.
 DROPPING_EDITS = ("pyscore", "random", "redundancy", "window")
 #: Parameters ``sweep`` can vary, as spelled on the command line.
@@ -52,7 +55,8 @@ class BenchConfig:
 
     Args:
         executors: Executors to compare, side by side, in this order:
-            ``"serial"``, ``"thread"``, ``"process"``.
+            ``"serial"``, ``"thread"``, ``"process"``, ``"auto"``,
+            ``"dask"``, ``"ray"``.
         streams: Request streams in the batch.
         prompt_tokens: Tokens of each stream's prompt.
         layers: Transformer blocks of the embedded model.
@@ -73,6 +77,13 @@ class BenchConfig:
             ``"streams"``, ``"prompt-tokens"``) for a scaling curve.
         chunk_size: Tokens per KV store chunk.
         seed: Seed of the prompts, the model weights and the random edit.
+        store: KV store URL (``redis://...``, ``shm:///NAME``); each run
+            gets a fresh name under it and destroys it. ``None``: a fresh
+            temporary shared-memory store per run.
+        scheduler: Dask scheduler address for ``dask`` (``None``: a local
+            cluster per run, one worker per ``workers``).
+        ray_address: Ray cluster address for ``ray`` (``None``: a local
+            runtime per run).
 
     Raises:
         ValueError: If a field is out of range; the message names it.
@@ -97,6 +108,9 @@ class BenchConfig:
     sweep: str | None = None
     chunk_size: int = 256
     seed: int = 0
+    store: str | None = None
+    scheduler: str | None = None
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         """Check every field.
@@ -106,7 +120,7 @@ class BenchConfig:
         """
         object.__setattr__(self, "executors", tuple(self.executors))
         object.__setattr__(self, "edits", tuple(self.edits))
-        self._check_names("executors", self.executors, EXECUTOR_NAMES)
+        self._check_names("executors", self.executors, BENCH_EXECUTORS)
         self._check_names("edits", self.edits, tuple(sorted(EDITS)))
         for name in (
             "streams",

@@ -10,6 +10,7 @@ from typing import Any
 
 from lmcache_mp.batch import LMCacheBatchedStream
 from lmcache_mp.bench._config import BenchConfig
+from lmcache_mp.bench._engines import executor_for, fresh_store_url
 from lmcache_mp.bench._monitor import PeakMemory, ProgressLine
 from lmcache_mp.edits import Edit
 from lmcache_mp.engine import EmbeddedEngine
@@ -103,7 +104,7 @@ def run_once(
 
     Args:
         config: The benchmark (one sweep point of it).
-        executor: ``"serial"``, ``"thread"``, ``"process"`` or ``"auto"``.
+        executor: A name of :data:`BENCH_EXECUTORS`.
         edit: The modify fn.
         progress: Draw a progress line on stderr (``None``: when it is a
             TTY; ``False``: never).
@@ -116,6 +117,7 @@ def run_once(
     """
     engine_config = config.engine_config()
     store = connect(
+        None if config.store is None else fresh_store_url(config.store),
         chunk_size=config.chunk_size,
         layers=engine_config.layers,
         width=engine_config.width,
@@ -123,12 +125,17 @@ def run_once(
     )
     try:
         engine = EmbeddedEngine(store, engine_config)
-        with LMCacheBatchedStream(
-            executor,
-            max_workers=config.workers,
-            mp_context=config.start_method,
-            preload=_PRELOAD,
-        ) as batch:
+        with (
+            executor_for(
+                executor, config.workers, config.scheduler, config.ray_address
+            ) as (arg, start_s),
+            LMCacheBatchedStream(
+                arg,
+                max_workers=config.workers,
+                mp_context=config.start_method,
+                preload=_PRELOAD,
+            ) as batch,
+        ):
             for prompt in config.prompts():
                 batch.add(create_request(store, engine, prompt))
             # The serial run is the one-core baseline: like every stream of
@@ -137,7 +144,7 @@ def run_once(
             if executor == "serial":
                 cap = limit_blas_while(physical_cores())
             with cap:
-                return _run_phases(config, batch, edit, progress)
+                return _run_phases(config, batch, edit, progress, start_s)
     finally:
         store.destroy()
 
@@ -147,6 +154,7 @@ def _run_phases(
     batch: LMCacheBatchedStream,
     edit: Edit,
     progress: bool | None,
+    start_s: float,
 ) -> RunFigures:
     name = batch.executor.name
     greedy = {"temperature": 0.0}
@@ -157,7 +165,6 @@ def _run_phases(
         "decode": lambda: batch.decode(decode_params),
     }
     with PeakMemory() as memory:
-        start_s = 0.0
         executor = batch.executor
         pool = executor.process if isinstance(executor, AutoExecutor) else executor
         if isinstance(pool, ProcessExecutor):

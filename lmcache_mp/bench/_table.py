@@ -66,7 +66,8 @@ def _rows(point: dict[str, Any]) -> list[list[str]]:
     rows = []
     executors: dict[str, Any] = point["executors"]
     for name, ex in executors.items():
-        if name == "process":
+        # Executors with workers to start: the pool, a Dask cluster, Ray.
+        if name in ("process", "dask", "ray"):
             start = _cell(ex["pool_start_s"], _fixed(3))
             rows.append(["pool start", name, str(ex["workers"]), start] + ["-"] * 8)
     for phase, (p50, p99) in _LATENCY.items():

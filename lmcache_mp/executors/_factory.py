@@ -49,7 +49,9 @@ def make_executor(
     if executor.startswith(("dask://", "tcp://")):
         return DaskExecutor(executor)
     if executor == "ray" or executor.startswith("ray://"):
-        return RayExecutor(None if executor == "ray" else executor)
+        if executor == "ray":
+            return RayExecutor(None, max_workers)
+        return RayExecutor(executor)
     if executor == "auto":
         return AutoExecutor(max_workers, mp_context, preload, blas_threads)
     if executor == "process":

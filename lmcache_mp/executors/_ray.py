@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from concurrent.futures import Executor, Future
 from typing import Any
@@ -63,15 +64,18 @@ class RayExecutor(RemoteExecutor):
         address: ``None`` for the runtime already initialised in this
             process (or a new local one), or an address ``ray.init``
             takes (``"ray://HOST:PORT"``, ``"HOST:PORT"``, ``"auto"``).
+        num_cpus: CPUs of a new local runtime (default: Ray's, every
+            core); ignored when connecting to a cluster.
 
     A runtime this executor initialised is shut down by :meth:`close`.
     """
 
     name = "ray"
 
-    def __init__(self, address: str | None = None) -> None:
+    def __init__(self, address: str | None = None, num_cpus: int | None = None) -> None:
         super().__init__()
         self._address = address
+        self._num_cpus = num_cpus if address is None else None
         self._remote: Any = None
         self._owned = False
         self._tasks: _RayTasks | None = None
@@ -82,6 +86,7 @@ class RayExecutor(RemoteExecutor):
             if not ray.is_initialized():
                 ray.init(
                     address=self._address,
+                    num_cpus=self._num_cpus,
                     include_dashboard=False,
                     log_to_driver=False,
                     logging_level="warning",
@@ -91,7 +96,8 @@ class RayExecutor(RemoteExecutor):
         return ray
 
     def _worker_count(self) -> int:
-        if self._remote is None:
+        ray = sys.modules.get("ray")
+        if ray is None or not ray.is_initialized():
             return 0
         # The CPUs of the nodes alive now: a lost node's are gone.
         return int(self._ray().cluster_resources().get("CPU", 0))
