@@ -1,9 +1,12 @@
-"""How a phase is run: serially, on threads, on a process pool, or auto.
+"""How a phase is run: serially, on threads, on a process pool, auto, or
+on a Dask or Ray cluster.
 
 The batch picks an executor by name (``"auto"``, ``"serial"``,
-``"thread"``, ``"process"``) or wraps a caller-owned
-:class:`concurrent.futures.Executor`. One module per engine, over one
-worker boundary (:mod:`lmcache_mp.executors._worker` and the plain
+``"thread"``, ``"process"``, ``"ray"``), by address (``"dask://..."``,
+``"ray://..."``), or wraps a caller-owned
+:class:`concurrent.futures.Executor` or ``distributed.Client``. One module
+per engine, over one worker boundary (:mod:`lmcache_mp.executors._worker`,
+the claims of :mod:`lmcache_mp.executors._claims` and the plain
 dataclasses of :mod:`lmcache_mp._phase`).
 """
 
