@@ -166,8 +166,9 @@ def _notes(point: dict[str, Any]) -> list[str]:
     notes += [
         "p50/p99 ms: TTFT for prefill, TPOT for decode; for modify, the "
         "per-stream edit time p50/max.",
-        "pickled: bytes pickled through the pipes to and from workers; KV via "
-        "store: KV bytes the edit read + wrote through the shared-memory store.",
+        "pickled: bytes pickled to and from workers (pipes, or Dask's/Ray's "
+        "data plane); KV via store: KV bytes the edit read + wrote through "
+        "the KV store (shared memory, or --store).",
         "peak RSS: parent + all child processes, sampled every 20 ms "
         "(shared pages counted in each process).",
         f"tokens: prefill {_first(point, 'prefill', 'input_tokens')} prompt "
