@@ -66,7 +66,6 @@ class DaskExecutor(RemoteExecutor):
         else:
             self._client = client
         self._owned = self._client is None
-        self._tasks: Any = None
 
     @property
     def client(self) -> Any:
@@ -88,8 +87,9 @@ class DaskExecutor(RemoteExecutor):
         return sum(self.client.nthreads().values())
 
     def _executor(self, n_jobs: int, result: PhaseRun) -> Executor:
-        self._tasks = self.client.get_executor(pure=False)
-        return self._tasks  # type: ignore[no-any-return]
+        tasks: Executor = self.client.get_executor(pure=False)
+        self._tasks = tasks
+        return tasks
 
     def _share_spec(self, blob: bytes, digest: str) -> tuple[str, tuple[Any, ...]]:
         self._spec_ref = self.client.scatter(blob, broadcast=True, hash=False)
@@ -103,15 +103,6 @@ class DaskExecutor(RemoteExecutor):
     def _is_lost(self, error: BaseException) -> bool:
         distributed = import_extra("distributed", "dask")
         return isinstance(error, distributed.KilledWorker | CancelledError)
-
-    def _abort(self) -> None:
-        # Cancels the phase's tasks that are still queued or running.
-        tasks, self._tasks = self._tasks, None
-        if tasks is not None:
-            tasks.shutdown(wait=False)
-
-    def _on_timeout(self) -> None:
-        self._abort()
 
     def _disconnect(self) -> None:
         if self._owned and self._client is not None:

@@ -78,7 +78,6 @@ class RayExecutor(RemoteExecutor):
         self._num_cpus = num_cpus if address is None else None
         self._remote: Any = None
         self._owned = False
-        self._tasks: _RayTasks | None = None
 
     def _ray(self) -> Any:
         ray = import_extra("ray", "ray")
@@ -104,8 +103,9 @@ class RayExecutor(RemoteExecutor):
 
     def _executor(self, n_jobs: int, result: PhaseRun) -> Executor:
         self._ray()
-        self._tasks = _RayTasks(self._remote)
-        return self._tasks
+        tasks = _RayTasks(self._remote)
+        self._tasks = tasks
+        return tasks
 
     def _share_spec(self, blob: bytes, digest: str) -> tuple[str, tuple[Any, ...]]:
         self._spec_ref = self._ray().put(blob)
@@ -117,14 +117,6 @@ class RayExecutor(RemoteExecutor):
         return isinstance(error, exceptions.RayError) and not isinstance(
             error, exceptions.RayTaskError
         )
-
-    def _abort(self) -> None:
-        tasks, self._tasks = self._tasks, None
-        if tasks is not None:
-            tasks.shutdown(wait=False)
-
-    def _on_timeout(self) -> None:
-        self._abort()
 
     def _disconnect(self) -> None:
         if self._owned:

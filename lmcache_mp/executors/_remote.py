@@ -26,6 +26,7 @@ claimed streams fail, naming the lost worker; its other streams run again.
 from __future__ import annotations
 
 import abc
+from concurrent.futures import Executor
 from typing import Any
 
 from lmcache_mp._paths import remove_tree
@@ -64,6 +65,9 @@ class RemoteExecutor(ShardExecutor):
     def __init__(self) -> None:
         super().__init__()
         self._spec_ref: Any = None
+        # The phase's concurrent.futures view of the engine's tasks; its
+        # shutdown(wait=False) cancels what is queued or running.
+        self._tasks: Executor | None = None
 
     @abc.abstractmethod
     def _worker_count(self) -> int:
@@ -111,6 +115,14 @@ class RemoteExecutor(ShardExecutor):
             )
             result.outcomes[sid] = StreamOutcome(sid, error=error)
         return retry
+
+    def _abort(self) -> None:
+        tasks, self._tasks = self._tasks, None
+        if tasks is not None:
+            tasks.shutdown(wait=False)
+
+    def _on_timeout(self) -> None:
+        self._abort()
 
     @abc.abstractmethod
     def _disconnect(self) -> None:

@@ -7,6 +7,7 @@ same inputs with the same messages.
 
 from __future__ import annotations
 
+import abc
 import warnings
 from types import TracebackType
 from typing import Any, TypeVar
@@ -36,7 +37,7 @@ __all__ = [
 _Handle = TypeVar("_Handle", bound="StoreHandle")
 
 
-class StoreHandle:
+class StoreHandle(abc.ABC):
     """What a store handle of either backend is, besides its operations: a
     context of one kind and chunk size, closed when its ``with`` ends.
 
@@ -63,13 +64,9 @@ class StoreHandle:
         """Tokens per chunk; retrieved prefixes are multiples of it."""
         return self._chunk_size
 
+    @abc.abstractmethod
     def close(self) -> None:
-        """Release the handle (each backend says what that keeps).
-
-        Raises:
-            NotImplementedError: Always: each backend defines it.
-        """
-        raise NotImplementedError
+        """Release the handle (each backend says what that keeps)."""
 
     def __enter__(self: _Handle) -> _Handle:
         return self
