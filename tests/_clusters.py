@@ -2,10 +2,10 @@
 
 Dask: a scheduler on 127.0.0.1 and one ``dask worker`` per "host", each
 bound to its own loopback address (127.0.0.2, .3, .4) in its own session,
-so that killing a host kills all its processes. Ray: a local runtime bound
-to 127.0.0.1 (Ray's multi-node mode binds every node to the machine's
-routable address, never loopback, so the several-hosts tests use Dask;
-Ray's loss test kills a Ray worker process).
+so that killing a host kills all its processes. Ray: a head node and one
+single-CPU Ray node per "host", each its own raylet and workers, started
+with Ray's own ``ray.cluster_utils.Cluster`` (what Ray's multi-node tests
+use), all on 127.0.0.1; killing a host kills its raylet and every worker.
 
 Every process is started here, waited for with a deadline, and stopped by
 ``close`` (terminate, then kill); the test's leak check ignores only the
@@ -33,7 +33,9 @@ CLUSTER_ROOTS: set[int] = set()
 _BIN = os.path.dirname(sys.executable)
 _START_TIMEOUT_S = 60.0
 #: Keeps Ray on 127.0.0.1: by default it binds to the machine's routable
-#: address (read in ray._private.services.get_node_ip_address).
+#: address (read in ray._private.services.get_node_ip_address, when ray is
+#: imported). ``ray start`` then refuses several nodes, but
+#: ``ray.cluster_utils.Cluster`` starts them.
 RAY_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
@@ -171,6 +173,101 @@ class DaskHosts:
             CLUSTER_ROOTS.discard(proc.pid)
         self.workers.clear()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class RayHosts:
+    """A Ray head node (no CPUs: tasks run on the hosts) and ``hosts``
+    single-CPU nodes on 127.0.0.1, with this process connected as driver.
+
+    Args:
+        hosts: How many worker "hosts" (Ray nodes).
+
+    ``ray`` must be imported after :data:`RAY_LOOPBACK_ENV` is set.
+    """
+
+    def __init__(self, hosts: int = 2) -> None:
+        os.environ.update(RAY_LOOPBACK_ENV)
+        # Ray workers inherit the driver's environment: the tests' fns
+        # import by name there, as on Dask's hosts.
+        os.environ["PYTHONPATH"] = worker_env()["PYTHONPATH"]
+        import ray
+        from ray.cluster_utils import Cluster
+
+        self._ray = ray
+        self.nodes: list[Any] = []
+        self._pids: set[int] = set()
+        self._cluster = self._own(
+            lambda: Cluster(
+                initialize_head=True,
+                head_node_args={
+                    "num_cpus": 0,
+                    "include_dashboard": False,
+                    # The GCS declares a silent node dead after 3 missed 1 s
+                    # checks (Ray's default: about 30 s), so that a lost
+                    # host's tasks fail within a test's time.
+                    "_system_config": {
+                        "health_check_period_ms": 1000,
+                        "health_check_timeout_ms": 1000,
+                        "health_check_failure_threshold": 3,
+                    },
+                },
+            )
+        )
+        try:
+            for _ in range(hosts):
+                self.add_host()
+            ray.init(
+                address=self._cluster.address,
+                log_to_driver=False,
+                logging_level="warning",
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    def _own(self, start: Any) -> Any:
+        # The processes ``start`` spawns are cluster processes to the leak
+        # check (the raylet's workers are its descendants).
+        before = {p.pid for p in psutil.Process().children()}
+        started = start()
+        self._pids |= {p.pid for p in psutil.Process().children()} - before
+        CLUSTER_ROOTS.update(self._pids)
+        return started
+
+    def add_host(self) -> Any:
+        """Start a single-CPU Ray node; returns it once the cluster sees it."""
+        node = self._own(lambda: self._cluster.add_node(num_cpus=1, wait=True))
+        self.nodes.append(node)
+        return node
+
+    @staticmethod
+    def node_id(node: Any) -> str:
+        """The node's Ray id (what ``get_runtime_context().get_node_id()``
+        gives in its workers)."""
+        return str(node.node_id)
+
+    def kill_host(self, node: Any) -> None:
+        """SIGKILL the node's raylet and every process under it, then let
+        Ray reap the node's other processes."""
+        from ray._private import ray_constants
+
+        raylet = psutil.Process(
+            node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+        )
+        doomed = [*raylet.children(recursive=True), raylet]
+        for proc in doomed:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(doomed, timeout=30)
+        self.nodes.remove(node)
+        self._cluster.remove_node(node, allow_graceful=False)
+
+    def close(self) -> None:
+        """Disconnect the driver and stop every node; safe to call twice."""
+        self._ray.shutdown()
+        self._cluster.shutdown()
+        self.nodes.clear()
+        CLUSTER_ROOTS.difference_update(self._pids)
 
 
 def descendants_of_clusters() -> set[int]:

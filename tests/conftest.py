@@ -14,11 +14,9 @@ import pytest
 from lmcache_mp._paths import shm_root
 from lmcache_mp.kv import SharedMemoryKVStore, connect
 from tests._clusters import (
-    CLUSTER_ROOTS,
-    RAY_LOOPBACK_ENV,
     DaskHosts,
+    RayHosts,
     descendants_of_clusters,
-    worker_env,
 )
 from tests._fakes import FakeEngine, InMemoryKV
 from tests._redis_server import RedisServer, running
@@ -166,7 +164,7 @@ def store_url(request: pytest.FixtureRequest, redis_server: RedisServer) -> str:
     return unique_url()
 
 
-# --- Scale-out: a Dask cluster of three loopback hosts, a Ray runtime -----
+# --- Scale-out: a Dask cluster of three loopback hosts, Ray nodes --------
 
 
 @pytest.fixture(scope="session")
@@ -186,23 +184,8 @@ def own_dask_hosts() -> Iterator[DaskHosts]:
 
 
 @pytest.fixture(scope="session")
-def ray_runtime() -> Iterator[None]:
-    """A local Ray runtime (2 CPUs) on 127.0.0.1, initialised in this process."""
-    # Before ray is imported: it reads the loopback switch at import time.
-    os.environ.update(RAY_LOOPBACK_ENV)
-    os.environ["PYTHONPATH"] = worker_env()["PYTHONPATH"]
-    import ray
-
-    before = {p.pid for p in psutil.Process().children()}
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level="warning",
-    )
-    started = {p.pid for p in psutil.Process().children()} - before
-    CLUSTER_ROOTS.update(started)
-    yield
-    ray.shutdown()
-    CLUSTER_ROOTS.difference_update(started)
+def ray_hosts() -> Iterator[RayHosts]:
+    """A Ray head and 2 single-CPU nodes on 127.0.0.1, this process its driver."""
+    hosts = RayHosts(2)
+    yield hosts
+    hosts.close()

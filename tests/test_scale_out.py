@@ -1,9 +1,9 @@
 """Specification of scale-out (issue #10): the same batch on Dask and Ray,
 with the shared-memory store or Redis.
 
-The Dask cluster is real: a scheduler and three ``dask worker`` processes,
-each its own "host" on 127.0.0.2-4. Ray is a real local runtime on
-127.0.0.1 (see ``tests/_clusters.py`` for why not several Ray nodes).
+The clusters are real: a Dask scheduler and three ``dask worker``
+processes, each its own "host" on 127.0.0.2-4, and a Ray head with one Ray
+node (raylet and workers) per "host" on 127.0.0.1 (``tests/_clusters.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from lmcache_mp.errors import (
     LMCacheBatchedStreamError,
     TerminatedWorkerError,
 )
-from tests._clusters import DaskHosts
+from tests._clusters import DaskHosts, RayHosts
 from tests._redis_server import running
 
 CHUNK = 16
@@ -49,7 +49,7 @@ def _executor(name: str, request: pytest.FixtureRequest) -> Any:
     if name == "dask":
         return request.getfixturevalue("dask_hosts").client()
     if name == "ray":
-        request.getfixturevalue("ray_runtime")
+        request.getfixturevalue("ray_hosts")
         return "ray"
     return name
 
@@ -126,65 +126,75 @@ def test_dask_phase_ships_states_and_spec_not_kv(
         ctx.destroy()
 
 
-def sleepy_window(
-    kv: np.ndarray, tokens: list[int], *, signals: str
-) -> tuple[np.ndarray, list[int]]:
-    """Announces its host in a file named by the first token, then takes 3 s."""
+def dask_host() -> str:
+    """The loopback address of the Dask worker running this task."""
     import distributed
 
-    host = distributed.get_worker().address.split("://")[1].split(":")[0]
-    with open(os.path.join(signals, f"{host}-{tokens[0]}"), "w"):
+    return str(distributed.get_worker().address.split("://")[1].split(":")[0])
+
+
+def ray_node() -> str:
+    """The id of the Ray node running this task."""
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
+def sleepy_window(
+    kv: np.ndarray, tokens: list[int], *, signals: str, where: Any
+) -> tuple[np.ndarray, list[int]]:
+    """Announces its host (``where()``) in a file named by the first token, then takes 3 s."""
+    with open(os.path.join(signals, f"{where()}-{tokens[0]}"), "w"):
         pass
     time.sleep(3.0)
     return kv[:, :, :CHUNK], tokens[:CHUNK]
 
 
-def _kill_when_started(
-    hosts: DaskHosts, signals: str, ip: str, killed: list[str]
-) -> None:
+def _kill_when_started(kill: Any, signals: str, host: str, killed: list[str]) -> None:
+    """Calls ``kill()`` once a stream has started on ``host``, listing the
+    streams that had (their signal files)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        started = [n for n in os.listdir(signals) if n.startswith(f"{ip}-")]
+        started = [n for n in os.listdir(signals) if n.startswith(f"{host}-")]
         if started:
-            hosts.kill_host(ip)
+            kill()
             killed.extend(started)
             return
         time.sleep(0.02)
 
 
-def test_a_lost_dask_host_fails_only_its_streams(
-    own_dask_hosts: DaskHosts, redis_url: str, tmp_path: Any
+def _modify_losing_a_host(
+    executor: Any, url: str, where: Any, host: str, kill: Any, signals: str
 ) -> None:
-    """Killing a host mid-modify fails the streams it ran, naming it; they keep state and KV, the others commit, decode runs on the rest."""
-    ctx = lmcache_mp.connect(redis_url, chunk_size=CHUNK)
-    client = own_dask_hosts.client()
+    """Kills ``host`` mid-modify; checks the streams it ran failed naming it,
+    kept state and KV, the others committed, and decode runs on the rest."""
+    ctx = lmcache_mp.connect(url, chunk_size=CHUNK)
     try:
         engine = EmbeddedEngine(ctx, EngineConfig())
-        signals = str(tmp_path)
-        with lmc_batch.LMCacheBatchedStream(client) as batch:
+        with lmc_batch.LMCacheBatchedStream(executor) as batch:
             for toks in _prompts():
                 batch.add(lmc_stream.create_request(ctx, engine, toks))
             batch.prefill({})
             before = {sid: s.state.copy() for sid, s in batch.streams.items()}
             killed: list[str] = []
             killer = threading.Thread(
-                target=_kill_when_started,
-                args=(own_dask_hosts, signals, "127.0.0.3", killed),
+                target=_kill_when_started, args=(kill, signals, host, killed)
             )
             killer.start()
+            fn = partial(sleepy_window, signals=signals, where=where)
             with pytest.raises(LMCacheBatchedStreamError) as info:
-                batch.modify(partial(sleepy_window, signals=signals), timeout=120)
+                batch.modify(fn, timeout=120)
             killer.join(60)
             lost = {
                 sid
                 for sid, s in batch.streams.items()
-                if f"127.0.0.3-{s.tokens[0]}" in killed
+                if f"{host}-{s.tokens[0]}" in killed
             }
             assert lost and set(info.value.failures) == lost
             for sid in lost:
                 error = info.value.failures[sid]
                 assert isinstance(error, TerminatedWorkerError)
-                assert "127.0.0.3" in str(error) and sid in str(error)
+                assert host[:12] in str(error) and sid in str(error)
                 assert batch.streams[sid].state == before[sid]
                 assert ctx.retrieve(batch.streams[sid].tokens).shape[2] == PROMPT  # type: ignore[union-attr]
             for sid in set(batch.streams) - lost:
@@ -192,8 +202,40 @@ def test_a_lost_dask_host_fails_only_its_streams(
             decoded = batch.decode({"max_tokens": 2})
             assert decoded.to_dict()["metrics"]["results"]["output_tokens"] > 0
     finally:
-        client.close()
         ctx.destroy()
+
+
+def test_a_lost_dask_host_fails_only_its_streams(
+    own_dask_hosts: DaskHosts, redis_url: str, tmp_path: Any
+) -> None:
+    """Killing a Dask host mid-modify fails the streams it ran, naming it; they keep state and KV, the others commit, decode runs on the rest."""
+    client = own_dask_hosts.client()
+    try:
+        _modify_losing_a_host(
+            client,
+            redis_url,
+            dask_host,
+            "127.0.0.3",
+            partial(own_dask_hosts.kill_host, "127.0.0.3"),
+            str(tmp_path),
+        )
+    finally:
+        client.close()
+
+
+def test_a_lost_ray_host_fails_only_its_streams(
+    ray_hosts: RayHosts, redis_url: str, tmp_path: Any
+) -> None:
+    """Killing a Ray node (its raylet and workers) mid-modify fails the streams it ran, naming it; the others commit, decode runs on the rest."""
+    node = ray_hosts.add_host()
+    _modify_losing_a_host(
+        "ray",
+        redis_url,
+        ray_node,
+        RayHosts.node_id(node),
+        partial(ray_hosts.kill_host, node),
+        str(tmp_path),
+    )
 
 
 def crash_on_marked(kv: np.ndarray, tokens: list[int]) -> tuple[np.ndarray, list[int]]:
@@ -203,7 +245,7 @@ def crash_on_marked(kv: np.ndarray, tokens: list[int]) -> tuple[np.ndarray, list
     return kv[:, :, :CHUNK], tokens[:CHUNK]
 
 
-def test_a_dead_ray_worker_fails_only_its_stream(ray_runtime: None) -> None:
+def test_a_dead_ray_worker_fails_only_its_stream(ray_hosts: RayHosts) -> None:
     """A Ray worker killed mid-modify fails its stream with TerminatedWorkerError; the others commit."""
     ctx = lmcache_mp.connect(chunk_size=CHUNK)
     try:
@@ -285,7 +327,7 @@ def test_fresh_store_urls_name_a_new_store_under_the_given_one() -> None:
 
 def test_bench_runs_dask_and_ray_beside_the_pool_on_redis(
     dask_hosts: DaskHosts,
-    ray_runtime: None,
+    ray_hosts: RayHosts,
     redis_url: str,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
