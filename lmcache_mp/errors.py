@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from lmcache_mp.metrics import Metrics
 
 __all__ = [
+    "CacheKindError",
     "CorruptChunkWarning",
     "EngineHTTPError",
     "KVConfigError",
@@ -71,6 +72,21 @@ class StreamInputError(LMCacheStreamError, ValueError):
     prompt, ``max_tokens`` below 1, or a modify fn whose result is not a
     4-D ``[2, L, T, D]`` array with ``T == len(new_tokens)``.
     """
+
+
+class CacheKindError(StreamInputError, KeyError):
+    """Raised when a stream lacks the context of a cache kind an operation
+    needs, or is given a kind it does not know (issue #11).
+
+    Examples: ``retrieve(kind=QUERY)`` on a stream with only a KV context;
+    a context whose ``.kind`` is not an ``LMCacheSDKCacheKind``; the
+    ``snapkv`` edit given a stream without a QUERY context; a modify fn
+    returning a kind other than KV.
+    """
+
+    def __str__(self) -> str:
+        # KeyError quotes its message; this is a sentence, not a key.
+        return str(self.args[0]) if self.args else ""
 
 
 class EngineHTTPError(LMCacheStreamError):
