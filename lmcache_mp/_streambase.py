@@ -1,0 +1,426 @@
+"""What every stream is, under either upstream API: its state, its phases.
+
+:class:`StreamBase` is the one implementation of a stream; the public
+classes add the accessors of an upstream version (``lmcache_mp.stream``:
+the seed's methods, ``lmcache_mp.request``: 0.5.6's properties). The
+mutable part of a stream lives in :class:`StreamState`, a plain picklable
+dataclass, so that a phase can run a stream in a worker process and ship
+the new state back.
+
+Every operation is transactional: it computes the new state aside and
+commits it only when it succeeded, so a stream whose ``post_completion`` or
+modify fn fails keeps exactly its previous state (upstream appended partial
+output before re-raising).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lmcache_mp._arrays import as_numpy, as_type, check_array_type
+from lmcache_mp._records import (
+    ModifyFn,
+    PostCompletion,
+    StreamModifyMetrics,
+    StreamPerfMetrics,
+    StreamState,
+)
+from lmcache_mp._validate import check_max_tokens, check_tokens
+from lmcache_mp.errors import KVConfigError, LMCacheStreamError, StreamInputError
+from lmcache_mp.kv import KVContext
+
+__all__ = ["StreamBase"]
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=64)
+def _can_overwrite(ctx_type: type[Any]) -> bool:
+    """Whether a context type's ``store`` takes ``overwrite=``."""
+    try:
+        return "overwrite" in inspect.signature(ctx_type.store).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def _store_edit(
+    ctx: KVContext, kv: Any, tokens: list[int], salt: str, *, replace: bool
+) -> bool:
+    """Store an edited KV; with ``replace``, over the chunks already cached.
+
+    Upstream's store skips chunks already cached, so an edit that keeps the
+    tokens (quantization, smoothing) would never land and only log "already
+    cached". Such an edit (``replace``) overwrites them where the context's
+    ``store`` takes ``overwrite=`` (the embedded store). An edit that changes
+    the tokens never overwrites: chunks the stream's previous state still
+    uses stay intact until its new state is committed.
+    """
+    if replace and _can_overwrite(type(ctx)):
+        return bool(ctx.store(kv, tokens, salt, overwrite=True))  # type: ignore[call-arg]
+    return ctx.store(kv, tokens, salt)
+
+
+class StreamBase:
+    """One logical request spanning several inference passes: the state,
+    the KV context and the phases every public stream class shares.
+
+    Args:
+        ctx: The KV context used for retrieve/store.
+        post_completion: Callable that submits a prompt to the engine.
+        prompt_token_ids: Initial prompt token ids (non-empty, ints >= 0).
+        cache_salt: Per-user isolation salt, or ``""``.
+        stream_id: Id to use instead of a fresh UUID.
+        state: Start from this state instead of the prompt (used by workers
+            to rebuild a stream; ``prompt_token_ids`` is then ignored).
+
+    Raises:
+        StreamInputError: If the prompt is empty or not token ids.
+    """
+
+    def __init__(
+        self,
+        ctx: KVContext,
+        post_completion: PostCompletion,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str = "",
+        *,
+        stream_id: str | None = None,
+        state: StreamState | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.post_completion = post_completion
+        self.cache_salt = cache_salt
+        self._stream_id = stream_id if stream_id is not None else str(uuid.uuid4())
+        if state is None:
+            tokens = check_tokens(prompt_token_ids, self._stream_id, "prompt")
+            if not tokens:
+                raise StreamInputError(
+                    f"stream {self._stream_id}: the prompt is empty", self._stream_id
+                )
+            state = StreamState(tokens=tokens)
+        self._state = state
+
+    def __repr__(self) -> str:
+        s = self._state
+        return (
+            f"<{type(self).__name__} {self._stream_id} tokens={len(s.tokens)} "
+            f"suffix={len(s.suffix)} decoded={s.decoded} done={s.done}>"
+        )
+
+    # -- upstream's public attributes, backed by the state ------------------
+
+    @property
+    def tokens(self) -> list[int]:
+        """The sequence backing the stored KV; sent as the next prompt."""
+        return self._state.tokens
+
+    @tokens.setter
+    def tokens(self, value: Sequence[int]) -> None:
+        self._state.tokens = check_tokens(value, self._stream_id, "tokens")
+
+    @property
+    def done(self) -> bool:
+        """Whether the last ``generate`` produced fewer than ``max_tokens``."""
+        return self._state.done
+
+    @done.setter
+    def done(self, value: bool) -> None:
+        self._state.done = bool(value)
+
+    @property
+    def state(self) -> StreamState:
+        """The stream's mutable state (shared, not a copy)."""
+        return self._state
+
+    @state.setter
+    def state(self, value: StreamState) -> None:
+        self._state = value
+
+    def generate(
+        self, sampling_params: Mapping[str, Any], suffix_tokens: Sequence[int] = ()
+    ) -> StreamPerfMetrics:
+        """Run one inference pass and append its output to the stream.
+
+        Pending suffix tokens and ``suffix_tokens`` are appended to
+        ``tokens`` to form the prompt; the generated tokens are appended
+        after them. ``done`` is set when fewer than ``max_tokens`` came back.
+
+        Args:
+            sampling_params: Engine sampling params (``max_tokens`` defaults
+                to 1, as upstream).
+            suffix_tokens: Extra tokens to append before generating.
+
+        Returns:
+            The call's :class:`StreamPerfMetrics`.
+
+        Raises:
+            StreamInputError: If ``max_tokens`` or ``suffix_tokens`` is bad.
+            LMCacheStreamError: If ``post_completion`` fails or yields
+                something that is not a token event; the stream's state is
+                then unchanged.
+        """
+        sid = self._stream_id
+        max_tokens = check_max_tokens(sampling_params, sid)
+        extra = check_tokens(suffix_tokens, sid, "suffix_tokens")
+        prompt = self._state.tokens + self._state.suffix + extra
+        ids: list[int] = []
+        texts: list[str] = []
+        gaps: list[float] = []
+        cached: int | None = None
+        start = last = time.perf_counter()
+        try:
+            # max_tokens is passed explicitly: engines default to other values
+            # (vLLM: 16) than the 1 that ``done`` is computed against.
+            params = {**sampling_params, "max_tokens": max_tokens}
+            for event in self.post_completion(list(prompt), params, self.cache_salt):
+                token_id = getattr(event, "token_id", None)
+                if isinstance(token_id, bool) or not isinstance(
+                    token_id, (int, np.integer)
+                ):
+                    raise LMCacheStreamError(
+                        f"post_completion yielded {event!r}, expected a "
+                        "TokenEvent with an int token_id",
+                        sid,
+                    )
+                # Engines learn the figure at different times (the embedded
+                # one before the first token, an OpenAI server in its final
+                # usage chunk): the last one given wins.
+                reported = getattr(event, "cached_tokens", None)
+                if reported is not None:
+                    cached = int(reported)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+                ids.append(int(token_id))
+                texts.append(str(getattr(event, "text", "")))
+        except LMCacheStreamError as exc:
+            if exc.stream_id is None:
+                exc.stream_id = sid
+            raise LMCacheStreamError(
+                f"stream {sid} failed during generation: {exc}", sid
+            ) from exc
+        except Exception as exc:
+            raise LMCacheStreamError(
+                f"stream {sid} failed during generation: {type(exc).__name__}: {exc}",
+                sid,
+            ) from exc
+        duration = time.perf_counter() - start
+        s = self._state
+        self._state = StreamState(
+            tokens=prompt + ids,
+            suffix=[],
+            decoded=s.decoded + len(ids),
+            text_parts=s.text_parts + texts,
+            output_ids=s.output_ids + ids,
+            done=len(ids) < max_tokens,
+        )
+        return StreamPerfMetrics(
+            duration=duration,
+            input_tokens=len(prompt),
+            output_tokens=len(ids),
+            input_tput=len(prompt) / duration if duration > 0 else 0.0,
+            output_tput=len(ids) / duration if duration > 0 else 0.0,
+            tpot=gaps[1:],
+            ttft=gaps[0] if gaps else 0.0,
+            cached_tokens=cached,
+        )
+
+    def retrieve_kv(
+        self, timeout: float = 30.0, poll_interval: float = 0.2
+    ) -> npt.NDArray[Any]:
+        """Return the cached KV of ``tokens``, polling until it appears.
+
+        Args:
+            timeout: Seconds to wait for a cached prefix to appear.
+            poll_interval: Seconds between retrieve attempts.
+
+        Returns:
+            The KV of the longest cached chunk-aligned prefix of ``tokens``,
+            as a ``[2, L, T, D]`` array.
+
+        Raises:
+            LMCacheStreamError: If nothing is cached within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            kv = self.ctx.retrieve(self._state.tokens, self.cache_salt)
+            if kv is not None:
+                return kv
+            if time.monotonic() >= deadline:
+                raise LMCacheStreamError(
+                    f"stream {self._stream_id}: no cached KV for its "
+                    f"{len(self._state.tokens)} tokens after {timeout:g}s "
+                    f"(chunk_size {self.ctx.chunk_size}; was it prefilled?)",
+                    self._stream_id,
+                )
+            time.sleep(poll_interval)
+
+    def _validate(
+        self, kv: Any, tokens: Sequence[int]
+    ) -> tuple[npt.NDArray[Any], list[int]]:
+        """Return an edited KV as numpy and its tokens as ints, or raise."""
+        sid = self._stream_id
+        try:
+            arr = as_numpy(kv)
+        except TypeError as exc:
+            raise StreamInputError(f"stream {sid}: the new KV: {exc}", sid) from exc
+        toks = check_tokens(tokens, sid, "new_tokens")
+        if arr.ndim != 4 or arr.shape[0] != 2:
+            raise StreamInputError(
+                f"stream {sid}: the new KV has shape {arr.shape}, expected "
+                "4-D [2, layers, tokens, width]",
+                sid,
+            )
+        if arr.shape[2] != len(toks):
+            raise StreamInputError(
+                f"stream {sid}: the new KV has {arr.shape[2]} tokens on axis 2 "
+                f"but {len(toks)} token ids were given",
+                sid,
+            )
+        return arr, toks
+
+    def _write(
+        self, arr: npt.NDArray[Any], toks: list[int], replace: bool, stage: bool
+    ) -> Any:
+        """Store a validated edit (over cached chunks if ``replace``).
+
+        Returns:
+            With ``stage`` and a replacing edit on a context that can stage
+            (``ctx.stage``), the staged chunks to commit or discard; else
+            ``None`` (the edit is stored).
+        """
+        sid = self._stream_id
+        stage_fn = getattr(self.ctx, "stage", None) if replace and stage else None
+        try:
+            if stage_fn is not None:
+                return stage_fn(arr, toks, self.cache_salt)
+            wrote = _store_edit(self.ctx, arr, toks, self.cache_salt, replace=replace)
+        except (KVConfigError, TypeError, ValueError) as exc:
+            raise StreamInputError(
+                f"stream {sid}: the store rejected the new KV: {exc}", sid
+            ) from exc
+        if not wrote:
+            logger.warning("store reported edited KV already cached for stream %s", sid)
+        return None
+
+    def update_kv(self, kv: Any, tokens: Sequence[int]) -> None:
+        """Store an edited KV and make ``tokens`` back the stream.
+
+        When ``tokens`` is a prefix of the stream's tokens, the KV replaces
+        their cached chunks (on contexts whose ``store`` takes
+        ``overwrite=``); upstream's store kept the cached chunks instead.
+
+        Args:
+            kv: The edited KV, ``[2, L, T, D]``: a numpy array, a torch
+                tensor, or anything ``np.asarray`` accepts.
+            tokens: The ``T`` token ids the KV belongs to.
+
+        Raises:
+            StreamInputError: If ``kv`` is not 4-D ``[2, L, T, D]``, or
+                ``T != len(tokens)``, or the tokens are not token ids.
+        """
+        arr, toks = self._validate(kv, tokens)
+        # Tokens the stream already holds: the caller edited their cached KV.
+        self._write(
+            arr, toks, replace=toks == self._state.tokens[: len(toks)], stage=False
+        )
+        self._state.tokens = toks
+        self._state.done = False
+
+    def modify_kv(
+        self,
+        fn: ModifyFn,
+        timeout: float = 30.0,
+        poll_interval: float = 0.2,
+        *,
+        array: str = "numpy",
+    ) -> StreamModifyMetrics:
+        """Edit the cached KV with ``fn`` and store the result.
+
+        Retrieves the chunk-aligned cached prefix of ``tokens``; the uncached
+        tail is prepended to the pending suffix (so it is sent with the next
+        prompt); ``fn(kv, tokens[:T])`` returns ``(new_kv, new_tokens)`` or
+        ``(new_kv, new_tokens, info)``, which is stored and backs the stream.
+
+        Args:
+            fn: The KV editor.
+            timeout: Seconds to wait for the cached KV to appear.
+            poll_interval: Seconds between retrieve attempts.
+            array: What ``fn`` is handed: ``"numpy"`` arrays or ``"torch"``
+                CPU tensors sharing their memory (issue #11); it may return
+                either.
+
+        Returns:
+            What the edit did, with ``info`` from the fn if it gave one.
+
+        Raises:
+            LMCacheStreamError: If no KV is cached within ``timeout``, or the
+                fn raises (its exception is the ``__cause__``).
+            StreamInputError: If the fn's result is malformed.
+        """
+        check_array_type(array)
+        return self._modify(fn, timeout, poll_interval, stage=False, array=array)[0]
+
+    def _modify(
+        self,
+        fn: ModifyFn,
+        timeout: float,
+        poll_interval: float,
+        *,
+        stage: bool,
+        array: str = "numpy",
+    ) -> tuple[StreamModifyMetrics, Any]:
+        """:meth:`modify_kv`; with ``stage``, a same-token edit is staged and
+        returned for the caller to commit with the new state (a batch)."""
+        sid = self._stream_id
+        start = time.perf_counter()
+        kv = self.retrieve_kv(timeout=timeout, poll_interval=poll_interval)
+        retrieved = time.perf_counter()
+        cached = int(kv.shape[2])
+        given = self._state.tokens[:cached]
+        try:
+            result = fn(as_type(kv, array), list(given))
+        except Exception as exc:
+            raise LMCacheStreamError(
+                f"stream {sid}: modify fn raised {type(exc).__name__}: {exc}", sid
+            ) from exc
+        if not isinstance(result, tuple) or len(result) not in (2, 3):
+            raise StreamInputError(
+                f"stream {sid}: modify fn returned {type(result).__name__}, "
+                "expected a tuple (new_kv, new_tokens) or (new_kv, new_tokens, info)",
+                sid,
+            )
+        edited = time.perf_counter()
+        new_kv, toks = self._validate(result[0], result[1])
+        # Only a same-token edit overwrites, and a batch stages it: any other
+        # edit leaves the chunks of the previous state intact, so a worker
+        # dying before the batch commits leaves the stream fully unmodified
+        # (issue #6).
+        staged = self._write(new_kv, toks, replace=toks == given, stage=stage)
+        s = self._state
+        self._state = dataclasses.replace(
+            s, tokens=toks, suffix=s.tokens[cached:] + s.suffix, done=False
+        )
+        end = time.perf_counter()
+        figures = StreamModifyMetrics(
+            duration=end - start,
+            tokens_before=cached,
+            tokens_after=len(toks),
+            kv_bytes_in=int(kv.nbytes),
+            kv_bytes_out=int(new_kv.nbytes),
+            info=result[2] if len(result) == 3 else None,
+            retrieve_s=retrieved - start,
+            fn_s=edited - retrieved,
+            store_s=end - edited,
+        )
+        return figures, staged
