@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["ARRAY_TYPES", "as_numpy", "as_type", "check_array_type"]
+__all__ = ["ARRAY_TYPES", "as_numpy", "as_type", "check_array_type", "fn_array"]
 
 #: What a modify fn can be handed: numpy arrays, or CPU torch tensors.
 ARRAY_TYPES = ("numpy", "torch")
@@ -69,6 +69,29 @@ def check_array_type(name: str) -> None:
             raise ImportError(
                 "array='torch' needs torch: pip install 'lmcache-mp[torch]'"
             ) from exc
+
+
+def fn_array(name: str | None, kinds: bool) -> str:
+    """What a modify fn is handed when ``array=name`` was asked for.
+
+    Args:
+        name: ``"numpy"``, ``"torch"``, or ``None`` for the stream's default.
+        kinds: Whether the stream is of upstream 0.5.6's API, whose fns
+            take torch tensors (issue #11: its notebooks run unchanged).
+
+    Returns:
+        ``name``, or by default ``"torch"`` for a 0.5.6-API stream where
+        torch is installed and ``"numpy"`` otherwise.
+    """
+    if name is not None:
+        return name
+    if kinds:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            return "numpy"
+        return "torch"
+    return "numpy"
 
 
 def as_type(arr: npt.NDArray[Any], name: str) -> Any:

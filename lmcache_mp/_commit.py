@@ -1,4 +1,5 @@
-"""How a phase's outcomes land in the parent's streams (only on success)."""
+"""How a phase's outcomes land in the parent's streams (only on success),
+and the one error that names the streams that failed."""
 
 from __future__ import annotations
 
@@ -6,22 +7,25 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+from lmcache_mp._streambase import StreamBase
 from lmcache_mp.errors import (
+    LMCacheBatchedStreamError,
     LMCacheStreamError,
     PhaseTimeoutError,
     TerminatedWorkerError,
 )
 from lmcache_mp.executors import PhaseRun
-from lmcache_mp.stream import LMCacheStream, StreamModifyMetrics, StreamPerfMetrics
+from lmcache_mp.metrics import Metrics
+from lmcache_mp.stream import StreamModifyMetrics, StreamPerfMetrics
 
-__all__ = ["commit"]
+__all__ = ["commit", "raise_failures"]
 
 #: Failures whose worker was killed: it may have left temp files behind.
 _DEAD_WORKER = (TerminatedWorkerError, PhaseTimeoutError)
 
 
 def commit(
-    streams: Sequence[LMCacheStream],
+    streams: Sequence[StreamBase],
     run: PhaseRun,
     perf_metrics: dict[str, StreamPerfMetrics],
     modify_metrics: dict[str, StreamModifyMetrics],
@@ -44,7 +48,7 @@ def commit(
     """
     failures: dict[str, BaseException] = {}
     for stream in streams:
-        sid = stream.stream_id()
+        sid = stream._stream_id
         outcome = run.outcomes[sid]
         if outcome.error is not None or outcome.state is None:
             outcome.discard_staged()
@@ -68,7 +72,7 @@ def commit(
         if outcome.modify is not None:
             modify_metrics[sid] = outcome.modify
     if any(isinstance(e, _DEAD_WORKER) for e in failures.values()):
-        _sweep([s.ctx for s in streams])
+        _sweep([c for s in streams for c in s.contexts.values()])
     return failures
 
 
@@ -79,3 +83,28 @@ def _sweep(contexts: list[Any]) -> None:
         if sweep is not None:
             with contextlib.suppress(Exception):
                 sweep()
+
+
+def raise_failures(
+    phase: str,
+    ids: list[str],
+    failures: dict[str, BaseException],
+    metrics: Metrics,
+) -> None:
+    """Raise one error naming every stream of ``failures``, if any.
+
+    Raises:
+        LMCacheBatchedStreamError: With ``.failures`` and the phase's
+            ``.metrics`` (of the streams that committed).
+    """
+    if not failures:
+        return
+    details = "; ".join(
+        f"{sid}: {type(exc).__name__}: {exc}" for sid, exc in failures.items()
+    )
+    raise LMCacheBatchedStreamError(
+        f"{len(failures)} of {len(ids)} streams failed in {phase} "
+        f"(the others committed): {details}",
+        failures,
+        metrics,
+    )

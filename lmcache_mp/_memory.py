@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import psutil
 
-from lmcache_mp.stream import LMCacheStream
+from lmcache_mp._streambase import StreamBase
 
 __all__ = ["modify_bound"]
 
@@ -18,7 +18,7 @@ _MEMORY_SHARE = 0.5
 _KV_COPIES_PER_EDIT = 3
 
 
-def modify_bound(streams: Sequence[LMCacheStream]) -> int | None:
+def modify_bound(streams: Sequence[StreamBase]) -> int | None:
     """Return how many of ``streams`` may hold their KV in memory at once.
 
     Each edit holds about three copies of its stream's KV; together they may

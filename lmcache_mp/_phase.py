@@ -20,9 +20,10 @@ from lmcache_mp._records import (
     StreamPerfMetrics,
     StreamState,
 )
+from lmcache_mp._streambase import StreamBase
+from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError, LMCacheBatchedStreamError
 from lmcache_mp.kv import KVContext
-from lmcache_mp.stream import LMCacheStream
 
 __all__ = [
     "PhaseKind",
@@ -52,7 +53,7 @@ class PhaseSpec:
         retrieve_timeout: For ``modify``: seconds to wait for cached KV.
         poll_interval: For ``modify``: seconds between retrieve attempts.
         array: For ``modify``: what the fn is handed, ``"numpy"`` or
-            ``"torch"``.
+            ``"torch"``; ``None``: each stream's default.
     """
 
     kind: PhaseKind
@@ -62,7 +63,7 @@ class PhaseSpec:
     fn: ModifyFn | None = None
     retrieve_timeout: float = 30.0
     poll_interval: float = 0.2
-    array: str = "numpy"
+    array: str | None = None
 
 
 @dataclass
@@ -75,6 +76,8 @@ class StreamJob:
         ctx_index: Index of its context in ``PhaseSpec.contexts``.
         engine_index: Index of its engine in ``PhaseSpec.engines``.
         state: A copy of its state before the phase.
+        others: Its other kinds' contexts: ``(kind, index)`` pairs.
+        kinds: Whether its modify fn takes ``{kind: tensor}`` (0.5.6).
     """
 
     stream_id: str
@@ -82,6 +85,12 @@ class StreamJob:
     ctx_index: int
     engine_index: int
     state: StreamState
+    others: tuple[tuple[LMCacheSDKCacheKind, int], ...] = ()
+    kinds: bool = False
+
+    def context_indices(self) -> tuple[int, ...]:
+        """Indices of every context the stream uses, KV first."""
+        return (self.ctx_index, *(index for _, index in self.others))
 
 
 @dataclass
@@ -117,7 +126,7 @@ class StreamOutcome:
 
 
 def build_phase(
-    streams: Sequence[LMCacheStream], **spec_args: Any
+    streams: Sequence[StreamBase], **spec_args: Any
 ) -> tuple[PhaseSpec, list[StreamJob]]:
     """Snapshot ``streams`` into a phase: one job each, with a state copy.
 
@@ -131,11 +140,26 @@ def build_phase(
     contexts: dict[int, tuple[int, KVContext]] = {}
     engines: dict[int, tuple[int, PostCompletion]] = {}
     jobs = []
+
+    def index(ctx: KVContext) -> int:
+        return contexts.setdefault(id(ctx), (len(contexts), ctx))[0]
+
     for s in streams:
-        ci = contexts.setdefault(id(s.ctx), (len(contexts), s.ctx))[0]
+        ci = index(s.ctx)
+        others = tuple((kind, index(c)) for kind, c in s._others.items())
         pc = s.post_completion
         ei = engines.setdefault(id(pc), (len(engines), pc))[0]
-        jobs.append(StreamJob(s.stream_id(), s.cache_salt, ci, ei, s.state.copy()))
+        jobs.append(
+            StreamJob(
+                s._stream_id,
+                s.cache_salt,
+                ci,
+                ei,
+                s.state.copy(),
+                others,
+                s._kinds,
+            )
+        )
     spec = PhaseSpec(
         contexts=tuple(c for _, c in contexts.values()),
         engines=tuple(e for _, e in engines.values()),
@@ -161,7 +185,7 @@ def check_stores(spec: PhaseSpec, jobs: list[StreamJob]) -> None:
         try:
             ping()
         except KVStoreError as exc:
-            sids = [job.stream_id for job in jobs if job.ctx_index == index]
+            sids = [job.stream_id for job in jobs if index in job.context_indices()]
             raise LMCacheBatchedStreamError(
                 f"the phase did not start: the KV store of streams "
                 f"{', '.join(sids)} is unavailable: {exc}",

@@ -16,8 +16,6 @@ output before re-raising).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import logging
 import time
 import uuid
@@ -27,7 +25,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lmcache_mp._arrays import as_numpy, as_type, check_array_type
+from lmcache_mp._arrays import as_type, check_array_type, fn_array
+from lmcache_mp._kinds import KindTensors
 from lmcache_mp._records import (
     ModifyFn,
     PostCompletion,
@@ -35,39 +34,22 @@ from lmcache_mp._records import (
     StreamPerfMetrics,
     StreamState,
 )
+from lmcache_mp._storing import check_edit, store_edit
 from lmcache_mp._validate import check_max_tokens, check_tokens
-from lmcache_mp.errors import KVConfigError, LMCacheStreamError, StreamInputError
+from lmcache_mp.cache_kind import LMCacheSDKCacheKind
+from lmcache_mp.errors import (
+    CacheKindError,
+    KVConfigError,
+    LMCacheStreamError,
+    StreamInputError,
+)
 from lmcache_mp.kv import KVContext
 
 __all__ = ["StreamBase"]
 
 logger = logging.getLogger(__name__)
 
-
-@functools.lru_cache(maxsize=64)
-def _can_overwrite(ctx_type: type[Any]) -> bool:
-    """Whether a context type's ``store`` takes ``overwrite=``."""
-    try:
-        return "overwrite" in inspect.signature(ctx_type.store).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
-
-
-def _store_edit(
-    ctx: KVContext, kv: Any, tokens: list[int], salt: str, *, replace: bool
-) -> bool:
-    """Store an edited KV; with ``replace``, over the chunks already cached.
-
-    Upstream's store skips chunks already cached, so an edit that keeps the
-    tokens (quantization, smoothing) would never land and only log "already
-    cached". Such an edit (``replace``) overwrites them where the context's
-    ``store`` takes ``overwrite=`` (the embedded store). An edit that changes
-    the tokens never overwrites: chunks the stream's previous state still
-    uses stay intact until its new state is committed.
-    """
-    if replace and _can_overwrite(type(ctx)):
-        return bool(ctx.store(kv, tokens, salt, overwrite=True))  # type: ignore[call-arg]
-    return ctx.store(kv, tokens, salt)
+KV = LMCacheSDKCacheKind.KV
 
 
 class StreamBase:
@@ -82,6 +64,9 @@ class StreamBase:
         stream_id: Id to use instead of a fresh UUID.
         state: Start from this state instead of the prompt (used by workers
             to rebuild a stream; ``prompt_token_ids`` is then ignored).
+        others: Contexts of the other cache kinds (QUERY), by kind.
+        kinds: Whether a modify fn is handed ``{kind: tensor}`` for every
+            context (upstream 0.5.6) instead of the KV alone (the seed).
 
     Raises:
         StreamInputError: If the prompt is empty or not token ids.
@@ -96,8 +81,12 @@ class StreamBase:
         *,
         stream_id: str | None = None,
         state: StreamState | None = None,
+        others: Mapping[LMCacheSDKCacheKind, KVContext] | None = None,
+        kinds: bool = False,
     ) -> None:
         self.ctx = ctx
+        self._others = dict(others or {})
+        self._kinds = kinds
         self.post_completion = post_completion
         self.cache_salt = cache_salt
         self._stream_id = stream_id if stream_id is not None else str(uuid.uuid4())
@@ -235,6 +224,22 @@ class StreamBase:
             cached_tokens=cached,
         )
 
+    @property
+    def contexts(self) -> dict[LMCacheSDKCacheKind, KVContext]:
+        """The stream's contexts by cache kind (``KV`` is :attr:`ctx`)."""
+        return {KV: self.ctx, **self._others}
+
+    def _context(self, kind: LMCacheSDKCacheKind) -> KVContext:
+        """The context of ``kind``, or a :class:`CacheKindError`."""
+        ctx = self.ctx if kind is KV else self._others.get(kind)
+        if ctx is None:
+            have = ", ".join(k.name for k in self.contexts)
+            raise CacheKindError(
+                f"stream {self._stream_id}: no {kind.name} context (it has: {have})",
+                self._stream_id,
+            )
+        return ctx
+
     def retrieve_kv(
         self, timeout: float = 30.0, poll_interval: float = 0.2
     ) -> npt.NDArray[Any]:
@@ -251,48 +256,43 @@ class StreamBase:
         Raises:
             LMCacheStreamError: If nothing is cached within ``timeout``.
         """
+        return self._retrieve(KV, timeout, poll_interval)
+
+    def _retrieve(
+        self, kind: LMCacheSDKCacheKind, timeout: float, poll_interval: float
+    ) -> npt.NDArray[Any]:
+        """:meth:`retrieve_kv` for the context of ``kind``."""
+        ctx = self._context(kind)
         deadline = time.monotonic() + timeout
         while True:
-            kv = self.ctx.retrieve(self._state.tokens, self.cache_salt)
+            kv = ctx.retrieve(self._state.tokens, self.cache_salt)
             if kv is not None:
                 return kv
             if time.monotonic() >= deadline:
                 raise LMCacheStreamError(
-                    f"stream {self._stream_id}: no cached KV for its "
+                    f"stream {self._stream_id}: no cached {kind.name} for its "
                     f"{len(self._state.tokens)} tokens after {timeout:g}s "
-                    f"(chunk_size {self.ctx.chunk_size}; was it prefilled?)",
+                    f"(chunk_size {ctx.chunk_size}; was it prefilled?)",
                     self._stream_id,
                 )
             time.sleep(poll_interval)
 
     def _validate(
-        self, kv: Any, tokens: Sequence[int]
+        self, kv: Any, tokens: Sequence[int], kind: LMCacheSDKCacheKind = KV
     ) -> tuple[npt.NDArray[Any], list[int]]:
-        """Return an edited KV as numpy and its tokens as ints, or raise."""
-        sid = self._stream_id
-        try:
-            arr = as_numpy(kv)
-        except TypeError as exc:
-            raise StreamInputError(f"stream {sid}: the new KV: {exc}", sid) from exc
-        toks = check_tokens(tokens, sid, "new_tokens")
-        if arr.ndim != 4 or arr.shape[0] != 2:
-            raise StreamInputError(
-                f"stream {sid}: the new KV has shape {arr.shape}, expected "
-                "4-D [2, layers, tokens, width]",
-                sid,
-            )
-        if arr.shape[2] != len(toks):
-            raise StreamInputError(
-                f"stream {sid}: the new KV has {arr.shape[2]} tokens on axis 2 "
-                f"but {len(toks)} token ids were given",
-                sid,
-            )
-        return arr, toks
+        """Return an edited tensor of ``kind`` as numpy and its tokens as
+        ints, or raise."""
+        return check_edit(kv, tokens, kind, self._stream_id)
 
     def _write(
-        self, arr: npt.NDArray[Any], toks: list[int], replace: bool, stage: bool
+        self,
+        arr: npt.NDArray[Any],
+        toks: list[int],
+        replace: bool,
+        stage: bool,
+        kind: LMCacheSDKCacheKind = KV,
     ) -> Any:
-        """Store a validated edit (over cached chunks if ``replace``).
+        """Store a validated edit of ``kind`` (over cached chunks if ``replace``).
 
         Returns:
             With ``stage`` and a replacing edit on a context that can stage
@@ -300,17 +300,20 @@ class StreamBase:
             ``None`` (the edit is stored).
         """
         sid = self._stream_id
-        stage_fn = getattr(self.ctx, "stage", None) if replace and stage else None
+        ctx = self._context(kind)
+        stage_fn = getattr(ctx, "stage", None) if replace and stage else None
         try:
             if stage_fn is not None:
                 return stage_fn(arr, toks, self.cache_salt)
-            wrote = _store_edit(self.ctx, arr, toks, self.cache_salt, replace=replace)
+            wrote = store_edit(ctx, arr, toks, self.cache_salt, replace=replace)
         except (KVConfigError, TypeError, ValueError) as exc:
             raise StreamInputError(
-                f"stream {sid}: the store rejected the new KV: {exc}", sid
+                f"stream {sid}: the store rejected the new {kind.name}: {exc}", sid
             ) from exc
         if not wrote:
-            logger.warning("store reported edited KV already cached for stream %s", sid)
+            logger.warning(
+                "store reported edited %s already cached for stream %s", kind.name, sid
+            )
         return None
 
     def update_kv(self, kv: Any, tokens: Sequence[int]) -> None:
@@ -329,10 +332,21 @@ class StreamBase:
             StreamInputError: If ``kv`` is not 4-D ``[2, L, T, D]``, or
                 ``T != len(tokens)``, or the tokens are not token ids.
         """
-        arr, toks = self._validate(kv, tokens)
+        self._update(KV, kv, tokens)
+
+    def _update(
+        self, kind: LMCacheSDKCacheKind, kv: Any, tokens: Sequence[int]
+    ) -> None:
+        """:meth:`update_kv` for the context of ``kind``."""
+        self._context(kind)  # an unknown kind fails before any check
+        arr, toks = self._validate(kv, tokens, kind)
         # Tokens the stream already holds: the caller edited their cached KV.
         self._write(
-            arr, toks, replace=toks == self._state.tokens[: len(toks)], stage=False
+            arr,
+            toks,
+            replace=toks == self._state.tokens[: len(toks)],
+            stage=False,
+            kind=kind,
         )
         self._state.tokens = toks
         self._state.done = False
@@ -343,7 +357,7 @@ class StreamBase:
         timeout: float = 30.0,
         poll_interval: float = 0.2,
         *,
-        array: str = "numpy",
+        array: str | None = None,
     ) -> StreamModifyMetrics:
         """Edit the cached KV with ``fn`` and store the result.
 
@@ -351,6 +365,8 @@ class StreamBase:
         tail is prepended to the pending suffix (so it is sent with the next
         prompt); ``fn(kv, tokens[:T])`` returns ``(new_kv, new_tokens)`` or
         ``(new_kv, new_tokens, info)``, which is stored and backs the stream.
+        A stream of upstream 0.5.6's API hands ``fn`` a mapping
+        ``{kind: tensor}`` of every context's tensor instead of ``kv``.
 
         Args:
             fn: The KV editor.
@@ -358,17 +374,21 @@ class StreamBase:
             poll_interval: Seconds between retrieve attempts.
             array: What ``fn`` is handed: ``"numpy"`` arrays or ``"torch"``
                 CPU tensors sharing their memory (issue #11); it may return
-                either.
+                either. Default: numpy, and torch for a 0.5.6-API stream
+                where torch is installed (upstream's tensors are torch).
 
         Returns:
             What the edit did, with ``info`` from the fn if it gave one.
 
         Raises:
-            LMCacheStreamError: If no KV is cached within ``timeout``, or the
-                fn raises (its exception is the ``__cause__``).
+            LMCacheStreamError: If no KV (or other kind) is cached within
+                ``timeout``, or the fn raises (its exception is the
+                ``__cause__``).
             StreamInputError: If the fn's result is malformed.
+            CacheKindError: If the fn returns a kind other than KV.
         """
-        check_array_type(array)
+        if array is not None:
+            check_array_type(array)
         return self._modify(fn, timeout, poll_interval, stage=False, array=array)[0]
 
     def _modify(
@@ -378,18 +398,29 @@ class StreamBase:
         poll_interval: float,
         *,
         stage: bool,
-        array: str = "numpy",
+        array: str | None = None,
     ) -> tuple[StreamModifyMetrics, Any]:
         """:meth:`modify_kv`; with ``stage``, a same-token edit is staged and
         returned for the caller to commit with the new state (a batch)."""
         sid = self._stream_id
         start = time.perf_counter()
         kv = self.retrieve_kv(timeout=timeout, poll_interval=poll_interval)
-        retrieved = time.perf_counter()
         cached = int(kv.shape[2])
         given = self._state.tokens[:cached]
+        kind_of_array = fn_array(array, self._kinds)
+        read = int(kv.nbytes)
+        arg: Any = as_type(kv, kind_of_array)
+        if self._kinds:
+            # Upstream 0.5.6: every context's tensor of the current tokens.
+            tensors = {KV: arg}
+            for kind in self._others:
+                other = self._retrieve(kind, timeout, poll_interval)
+                read += int(other.nbytes)
+                tensors[kind] = as_type(other, kind_of_array)
+            arg = KindTensors(tensors)
+        retrieved = time.perf_counter()
         try:
-            result = fn(as_type(kv, array), list(given))
+            result = fn(arg, list(given))
         except Exception as exc:
             raise LMCacheStreamError(
                 f"stream {sid}: modify fn raised {type(exc).__name__}: {exc}", sid
@@ -416,7 +447,7 @@ class StreamBase:
             duration=end - start,
             tokens_before=cached,
             tokens_after=len(toks),
-            kv_bytes_in=int(kv.nbytes),
+            kv_bytes_in=read,
             kv_bytes_out=int(new_kv.nbytes),
             info=result[2] if len(result) == 3 else None,
             retrieve_s=retrieved - start,

@@ -1,15 +1,16 @@
-"""Checks of what a caller hands a stream: token ids and ``max_tokens``."""
+"""Checks of what a caller hands a stream (token ids, ``max_tokens``) or a
+batch (the streams a phase selects)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from lmcache_mp.errors import StreamInputError
+from lmcache_mp.errors import LMCacheBatchedStreamError, StreamInputError
 
-__all__ = ["check_max_tokens", "check_tokens"]
+__all__ = ["check_max_tokens", "check_tokens", "select_streams"]
 
 #: Token ids are keyed as int64 by the store (and by every real tokenizer).
 _TOKEN_LIMIT = 2**63
@@ -49,3 +50,29 @@ def check_max_tokens(sampling_params: Mapping[str, Any], stream_id: str) -> int:
             f"stream {stream_id}: max_tokens is {value}, expected >= 1", stream_id
         )
     return int(value)
+
+
+def select_streams(
+    streams: Mapping[str, Any], stream_ids: Sequence[str] | None
+) -> list[str]:
+    """Return the ids a phase runs: every stream for ``None``, else
+    ``stream_ids`` checked.
+
+    Raises:
+        LMCacheBatchedStreamError: For a string instead of a list, an id
+            not in ``streams``, or one selected twice.
+    """
+    if stream_ids is None:
+        return list(streams)
+    if isinstance(stream_ids, str):
+        raise LMCacheBatchedStreamError(
+            f"stream_ids must be a list of ids, got the string {stream_ids!r}"
+        )
+    seen: set[str] = set()
+    for sid in stream_ids:
+        if sid not in streams:
+            raise LMCacheBatchedStreamError(f"stream {sid} is not in the batch")
+        if sid in seen:
+            raise LMCacheBatchedStreamError(f"stream {sid} is selected twice")
+        seen.add(sid)
+    return list(stream_ids)

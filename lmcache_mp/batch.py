@@ -19,10 +19,13 @@ from types import TracebackType
 from typing import Any
 
 from lmcache_mp._arrays import check_array_type
-from lmcache_mp._commit import commit
+from lmcache_mp._batch_names import UpstreamNames
+from lmcache_mp._commit import commit, raise_failures
 from lmcache_mp._memory import modify_bound
 from lmcache_mp._phase import build_phase, check_stores
 from lmcache_mp._reports import ExecutorInfo, generate_report, modify_report
+from lmcache_mp._streambase import StreamBase
+from lmcache_mp._validate import select_streams
 from lmcache_mp.errors import (
     LMCacheBatchedStreamError,
 )
@@ -33,7 +36,6 @@ from lmcache_mp.executors import (
 from lmcache_mp.executors._factory import make_executor
 from lmcache_mp.metrics import Metrics, get_formatter
 from lmcache_mp.stream import (
-    LMCacheStream,
     ModifyFn,
     StreamModifyMetrics,
     StreamPerfMetrics,
@@ -42,7 +44,7 @@ from lmcache_mp.stream import (
 __all__ = ["LMCacheBatchedStream", "LMCacheBatchedStreamError"]
 
 
-class LMCacheBatchedStream:
+class LMCacheBatchedStream(UpstreamNames):
     """A collection of streams run together, one phase at a time.
 
     Args:
@@ -67,9 +69,17 @@ class LMCacheBatchedStream:
         max_in_flight: Streams whose KV may be in memory at once during a
             modify (default: as many as fit in half the available memory).
         timeout: Default phase timeout in seconds (``None``: no limit).
-        array: What modify fns are handed: ``"numpy"`` arrays (default) or
+        array: What modify fns are handed: ``"numpy"`` arrays or
             ``"torch"`` CPU tensors sharing their memory, so that torch fns
-            run unchanged (issue #11); a fn may return either.
+            run unchanged (issue #11); a fn may return either. Default:
+            numpy for :mod:`lmcache_mp.stream` streams, torch (where
+            installed) for :mod:`lmcache_mp.request` ones, as upstream
+            0.5.6 hands its fns torch tensors.
+
+    Upstream 0.5.6's names (``request_streams``, ``get_request_stream``,
+    ``run_request_streams``, ``modify_request_streams``) are the same
+    registry and phases (:class:`~lmcache_mp._batch_names.UpstreamNames`);
+    streams of either API can be added.
 
     Attributes:
         streams: Member streams keyed by stream id.
@@ -93,11 +103,12 @@ class LMCacheBatchedStream:
         blas_threads: int | None = None,
         max_in_flight: int | None = None,
         timeout: float | None = None,
-        array: str = "numpy",
+        array: str | None = None,
     ) -> None:
-        check_array_type(array)
+        if array is not None:
+            check_array_type(array)
         self._array = array
-        self.streams: dict[str, LMCacheStream] = {}
+        self.streams: dict[str, StreamBase] = {}
         self.perf_metrics: dict[str, StreamPerfMetrics] = {}
         self.modify_metrics: dict[str, StreamModifyMetrics] = {}
         self._executor = make_executor(
@@ -113,7 +124,7 @@ class LMCacheBatchedStream:
 
     # -- registry --------------------------------------------------------------
 
-    def add(self, stream: LMCacheStream) -> None:
+    def add(self, stream: StreamBase) -> None:
         """Add a stream to the batch, keyed by its stream id.
 
         Args:
@@ -121,18 +132,20 @@ class LMCacheBatchedStream:
 
         Raises:
             LMCacheBatchedStreamError: If a stream with that id is in the
-                batch, or ``stream`` is not an :class:`LMCacheStream`.
+                batch, or ``stream`` is not a stream (``LMCacheStream`` or
+                ``LMCacheRequestStream``).
         """
-        if not isinstance(stream, LMCacheStream):
+        if not isinstance(stream, StreamBase):
             raise LMCacheBatchedStreamError(
-                f"add() takes an LMCacheStream, got {type(stream).__name__}"
+                "add() takes an LMCacheStream or LMCacheRequestStream, got "
+                f"{type(stream).__name__}"
             )
-        sid = stream.stream_id()
+        sid = stream._stream_id
         if sid in self.streams:
             raise LMCacheBatchedStreamError(f"stream {sid} is already in the batch")
         self.streams[sid] = stream
 
-    def get_stream(self, stream_id: str) -> LMCacheStream:
+    def get_stream(self, stream_id: str) -> StreamBase:
         """Return the stream registered under ``stream_id``.
 
         Raises:
@@ -150,20 +163,7 @@ class LMCacheBatchedStream:
     def _select(self, stream_ids: Sequence[str] | None) -> list[str]:
         if self._closed:
             raise LMCacheBatchedStreamError("the batch is closed")
-        if stream_ids is None:
-            return list(self.streams)
-        if isinstance(stream_ids, str):
-            raise LMCacheBatchedStreamError(
-                f"stream_ids must be a list of ids, got the string {stream_ids!r}"
-            )
-        seen: set[str] = set()
-        for sid in stream_ids:
-            if sid not in self.streams:
-                raise LMCacheBatchedStreamError(f"stream {sid} is not in the batch")
-            if sid in seen:
-                raise LMCacheBatchedStreamError(f"stream {sid} is selected twice")
-            seen.add(sid)
-        return list(stream_ids)
+        return select_streams(self.streams, stream_ids)
 
     # -- running a phase ---------------------------------------------------------
 
@@ -197,25 +197,6 @@ class LMCacheBatchedStream:
         if self._max_in_flight is not None:
             return self._max_in_flight
         return modify_bound([self.streams[sid] for sid in ids])
-
-    def _raise_failures(
-        self,
-        phase: str,
-        ids: list[str],
-        failures: dict[str, BaseException],
-        metrics: Metrics,
-    ) -> None:
-        if not failures:
-            return
-        details = "; ".join(
-            f"{sid}: {type(exc).__name__}: {exc}" for sid, exc in failures.items()
-        )
-        raise LMCacheBatchedStreamError(
-            f"{len(failures)} of {len(ids)} streams failed in {phase} "
-            f"(the others committed): {details}",
-            failures,
-            metrics,
-        )
 
     def _info(self) -> ExecutorInfo:
         run = self._last_run
@@ -274,7 +255,7 @@ class LMCacheBatchedStream:
             ids, timeout, kind="generate", sampling_params=dict(sampling_params)
         )
         metrics = self.get_perf_metrics(duration, fmt, width, mode, ids)
-        self._raise_failures(mode, ids, failures, metrics)
+        raise_failures(mode, ids, failures, metrics)
         return duration, metrics
 
     def modify_stream(
@@ -347,7 +328,7 @@ class LMCacheBatchedStream:
             failed=len(failures),
             run=self._last_run if ids else None,
         )
-        self._raise_failures("modify", ids, failures, metrics)
+        raise_failures("modify", ids, failures, metrics)
         return duration, metrics
 
     def get_perf_metrics(

@@ -164,3 +164,28 @@ class FileBarrierEngine(FakeEngine):
                 )
             time.sleep(0.01)
         yield from super().__call__(prompt_token_ids, sampling_params, cache_salt)
+
+
+def q_for(
+    tokens: Sequence[int], layers: int = LAYERS, width: int = WIDTH
+) -> np.ndarray:
+    """A deterministic [1, L, T, D] query tensor, distinct from :func:`kv_for`."""
+    return -kv_for(tokens, layers, width)[:1]
+
+
+class QueryFakeEngine(FakeEngine):
+    """A :class:`FakeEngine` that also stores the prompt's queries in ``q_ctx``
+    (as the embedded engine does given a QUERY context)."""
+
+    def __init__(self, ctx: Any, q_ctx: Any, vocab: int = 50) -> None:
+        super().__init__(ctx, vocab)
+        self.q_ctx = q_ctx
+
+    def __call__(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: dict[str, Any],
+        cache_salt: str,
+    ) -> Iterator[TokenEvent]:
+        self.q_ctx.store(q_for(prompt_token_ids), prompt_token_ids, cache_salt)
+        return super().__call__(prompt_token_ids, sampling_params, cache_salt)

@@ -185,5 +185,5 @@ def _run_phases(
             run.phases[phase] = PhaseFigures(
                 wall, per_stream, _transport_bytes(report), memory.reset(), report
             )
-    run.outputs = [s.output_tokens() for s in batch.streams.values()]
+    run.outputs = [list(s.state.output_ids) for s in batch.streams.values()]
     return run

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import cloudpickle
 
 from lmcache_mp._phase import PhaseSpec, StreamJob, StreamOutcome
+from lmcache_mp._streambase import StreamBase
 from lmcache_mp.errors import (
     LMCachePicklingError,
     LMCacheStreamError,
     TerminatedWorkerError,
 )
 from lmcache_mp.executors._claims import Claims
-from lmcache_mp.stream import LMCacheStream
 
 __all__ = ["BLAS_ENV_VARS", "ShardTask", "initialize", "run_job", "run_shard"]
 
@@ -154,13 +154,15 @@ def run_job(spec: PhaseSpec, job: StreamJob, *, remote: bool) -> StreamOutcome:
     Returns:
         The new state and figures, or the error.
     """
-    stream = LMCacheStream(
+    stream = StreamBase(
         spec.contexts[job.ctx_index],
         spec.engines[job.engine_index],
         (),
         job.cache_salt,
         stream_id=job.stream_id,
         state=job.state,
+        others={kind: spec.contexts[index] for kind, index in job.others},
+        kinds=job.kinds,
     )
     try:
         if spec.kind == "generate":

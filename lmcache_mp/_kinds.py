@@ -1,0 +1,138 @@
+"""A stream's contexts by cache kind, and the tensors a by-kind fn is handed.
+
+Upstream 0.5.6 keys a stream's contexts and a modify fn's tensors by
+``LMCacheSDKCacheKind``. Kinds are compared by value here, so upstream's
+own enum members (``lmcache.sdk.cache_kind``, as a real LMCache context's
+``.kind`` is) and lmcache_mp's are the same kind (issue #11).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from lmcache_mp.cache_kind import LMCacheSDKCacheKind
+from lmcache_mp.errors import CacheKindError
+from lmcache_mp.kv import KVContext
+
+__all__ = ["KindTensors", "as_kind", "by_kind", "edited_kv"]
+
+KV = LMCacheSDKCacheKind.KV
+_KNOWN = ", ".join(k.name for k in LMCacheSDKCacheKind)
+
+
+def as_kind(value: Any, sid: str | None = None) -> LMCacheSDKCacheKind:
+    """Return the lmcache_mp kind ``value`` names.
+
+    Args:
+        value: An ``LMCacheSDKCacheKind`` of lmcache_mp or of upstream, or
+            its value (``"kv"``, ``"query"``).
+        sid: The stream to name in the error.
+
+    Returns:
+        The kind.
+
+    Raises:
+        CacheKindError: If ``value`` is no known kind.
+    """
+    if isinstance(value, LMCacheSDKCacheKind):
+        return value
+    try:
+        return LMCacheSDKCacheKind(getattr(value, "value", value))
+    except (ValueError, TypeError):
+        where = f"stream {sid}: " if sid else ""
+        raise CacheKindError(
+            f"{where}{value!r} is not a cache kind (known: {_KNOWN})", sid
+        ) from None
+
+
+def by_kind(
+    contexts: Iterable[KVContext], sid: str
+) -> dict[LMCacheSDKCacheKind, KVContext]:
+    """Key a stream's contexts by their ``.kind`` (``KV`` when they have none,
+    as the seed's contexts).
+
+    Args:
+        contexts: The stream's contexts.
+        sid: The stream, named in errors.
+
+    Returns:
+        ``{kind: context}``, with a KV context.
+
+    Raises:
+        CacheKindError: If a context's kind is unknown, two contexts have
+            one kind (upstream kept the last silently), or none is KV (a
+            modify stores KV, and a batch sizes its work by it).
+    """
+    found: dict[LMCacheSDKCacheKind, KVContext] = {}
+    for ctx in contexts:
+        kind = as_kind(getattr(ctx, "kind", KV), sid)
+        if kind in found:
+            raise CacheKindError(f"stream {sid}: two contexts of kind {kind.name}", sid)
+        found[kind] = ctx
+    if KV not in found:
+        kinds = ", ".join(k.name for k in found) or "none"
+        raise CacheKindError(
+            f"stream {sid}: no KV context among its contexts (kinds: {kinds})", sid
+        )
+    return found
+
+
+class KindTensors(Mapping[LMCacheSDKCacheKind, Any]):
+    """What a by-kind modify fn is handed: one tensor per context kind.
+
+    Looked up by lmcache_mp's or upstream's kind (or its value).
+
+    Args:
+        tensors: ``{kind: tensor}``.
+    """
+
+    def __init__(self, tensors: Mapping[LMCacheSDKCacheKind, Any]) -> None:
+        self._tensors = dict(tensors)
+
+    def __getitem__(self, kind: Any) -> Any:
+        try:
+            return self._tensors[as_kind(kind)]
+        except (KeyError, CacheKindError):
+            have = ", ".join(k.name for k in self._tensors)
+            raise KeyError(f"no {kind!r} tensor (this stream has: {have})") from None
+
+    def __contains__(self, kind: object) -> bool:
+        try:
+            return as_kind(kind) in self._tensors
+        except CacheKindError:
+            return False
+
+    def __iter__(self) -> Iterator[LMCacheSDKCacheKind]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(
+            f"{k.name}: {tuple(getattr(v, 'shape', ()))}"
+            for k, v in self._tensors.items()
+        )
+        return f"KindTensors({{{shapes}}})"
+
+
+def edited_kv(value: Any, sid: str) -> Any:
+    """The KV of a modify fn's result: the tensor itself, or the ``KV``
+    entry of a mapping that holds only KV (a modify updates KV only, as
+    upstream's ``modify_kv``).
+
+    Raises:
+        CacheKindError: For a mapping with another kind or without KV.
+    """
+    if not isinstance(value, Mapping):
+        return value
+    kinds = [as_kind(k, sid) for k in value]
+    if kinds != [KV]:
+        names = ", ".join(k.name for k in kinds) or "nothing"
+        raise CacheKindError(
+            f"stream {sid}: modify fn returned {names}; a modify stores the "
+            "KV only: return (new_kv, new_tokens)",
+            sid,
+        )
+    return next(iter(value.values()))
