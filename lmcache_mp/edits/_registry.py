@@ -13,12 +13,14 @@ from lmcache_mp.edits._identity import Identity
 from lmcache_mp.edits._quantize import Quantize
 from lmcache_mp.edits._redundancy import RedundancyDrop
 from lmcache_mp.edits._scorer import PyTokenScorer
+from lmcache_mp.edits._snapkv import SnapKV
 from lmcache_mp.edits._stride import Stride
 from lmcache_mp.edits._window import RecentWindow
 
-__all__ = ["EDITS", "make_edit"]
+__all__ = ["EDITS", "KIND_EDITS", "make_edit"]
 
-#: Edit name (as used by ``make_edit`` and the benchmark) to edit class.
+#: Edit name (as used by ``make_edit`` and the benchmark) to edit class: the
+#: single-kind edits, ``fn(kv, tokens)``.
 EDITS: Mapping[str, type[Edit]] = MappingProxyType(
     {
         cls.name: cls
@@ -34,6 +36,12 @@ EDITS: Mapping[str, type[Edit]] = MappingProxyType(
     }
 )
 
+#: Edit name to edit class of the edits over several cache kinds, called as
+#: ``fn({KV: kv, QUERY: queries}, tokens)`` by a stream with a context of
+#: each kind. Apart from :data:`EDITS`, whose edits take a bare KV (as the
+#: benchmark's KV-only streams give them).
+KIND_EDITS: Mapping[str, type[Edit]] = MappingProxyType({SnapKV.name: SnapKV})
+
 
 def make_edit(name: str, **params: Any) -> Edit:
     """Build a ready-made edit from its name and parameters.
@@ -41,11 +49,14 @@ def make_edit(name: str, **params: Any) -> Edit:
     Args:
         name: A key of :data:`EDITS`: ``"random"``, ``"window"``,
             ``"redundancy"``, ``"quantize"``, ``"pyscore"``,
-            ``"identity"`` or ``"stride"``.
+            ``"identity"`` or ``"stride"``; or of :data:`KIND_EDITS`:
+            ``"snapkv"``.
         **params: The edit's parameters (its class's fields).
 
     Returns:
-        The edit, a picklable ``fn(kv, tokens) -> (new_kv, new_tokens, info)``.
+        The edit, a picklable ``fn(kv, tokens) -> (new_kv, new_tokens, info)``
+        (``fn({KV: kv, QUERY: queries}, tokens)`` for a :data:`KIND_EDITS`
+        one).
 
     Raises:
         ValueError: If ``name`` is unknown (the message lists the known
@@ -54,11 +65,10 @@ def make_edit(name: str, **params: Any) -> Edit:
         TypeError: If a parameter is not one of the edit's (the message
             names it and lists the accepted ones).
     """
-    cls = EDITS.get(name)
+    cls = EDITS.get(name) or KIND_EDITS.get(name)
     if cls is None:
-        raise ValueError(
-            f"unknown edit {name!r}; known edits: {', '.join(sorted(EDITS))}"
-        )
+        known = sorted({*EDITS, *KIND_EDITS})
+        raise ValueError(f"unknown edit {name!r}; known edits: {', '.join(known)}")
     accepted = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(params) - set(accepted))
     if unknown:

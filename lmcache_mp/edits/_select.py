@@ -13,7 +13,27 @@ import numpy.typing as npt
 
 from lmcache_mp.edits._base import Edit, EditResult, check_fraction, check_int
 
-__all__ = ["ScoredDrop", "keep_indices"]
+__all__ = ["ScoredDrop", "keep_count", "keep_indices"]
+
+
+def keep_count(keep: float, total: int, protected: int) -> int:
+    """Return how many of ``total`` tokens a dropping edit keeps.
+
+    The budget every token-dropping edit shares, so that edits compare at
+    the same size: ``round(keep * total)`` (halves round up), at least 1,
+    raised to the ``protected`` tokens the edit always keeps, at most
+    ``total``.
+
+    Args:
+        keep: Fraction of the tokens to keep, in ``(0, 1]``.
+        total: Tokens of the sequence.
+        protected: Tokens the edit keeps whatever ``keep`` says.
+
+    Returns:
+        The number of tokens kept.
+    """
+    target = max(1, math.floor(keep * total + 0.5))
+    return min(total, max(target, protected))
 
 
 def keep_indices(
@@ -95,9 +115,8 @@ class ScoredDrop(Edit):
 
     def _apply(self, kv: npt.NDArray[Any], tokens: list[int]) -> EditResult:
         total = len(tokens)
-        target = max(1, math.floor(self.keep * total + 0.5))
         protected = self.keep_first + self.keep_last
-        kept = min(total, max(target, protected))
+        kept = keep_count(self.keep, total, protected)
         if kept == total:
             return kv, tokens, {"kept": total, "dropped": 0}
         lo, hi = self.keep_first, total - self.keep_last

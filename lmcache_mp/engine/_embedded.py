@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from lmcache_mp._arrays import as_numpy
+from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.engine._config import EngineConfig
 from lmcache_mp.engine._model import KVSequence
 from lmcache_mp.engine._sampling import Sampler, SamplingParams
 from lmcache_mp.engine._vocab import ToyVocab
-from lmcache_mp.errors import StreamInputError
+from lmcache_mp.errors import CacheKindError, KVConfigError, StreamInputError
 from lmcache_mp.hints import gil_bound
 from lmcache_mp.kv import KVContext
 from lmcache_mp.stream import TokenEvent
@@ -67,28 +70,80 @@ class EmbeddedEngine:
     the weights once, on first use, and shares them between engines. The
     totals of :meth:`stats` are per process: an unpickled copy starts at 0.
 
+    With ``query_ctx``, each prefill also records the prompt's queries, as
+    query-aware compression (SnapKV) needs them: a ``[1, L, T, D]`` tensor
+    in the KV dtype, row ``p`` of layer ``l`` being the rotated query that
+    position ``p`` attended with (heads side by side, as in a KV row),
+    stored with ``query_ctx.store(q, prompt, salt)``. The store keeps full
+    chunks only, the same token ranges as the KV (as upstream LMCache
+    stores Q), so the prompt's last window is the last stored rows.
+    Positions whose KV was reused were not computed by this call: their
+    queries are taken from ``query_ctx.retrieve(prompt, salt)``. Where it
+    has fewer of them than were reused, only the contiguous known prefix
+    from position 0 is stored (a query tensor with a hole in it would
+    misplace every later row), and the next cold prefill of the prompt
+    fills in the rest. Recording reads the forward pass and changes
+    neither the KV nor the tokens.
+
     Args:
         ctx: The KV context to retrieve from and store to.
         config: The model; ``EngineConfig()`` by default.
+        query_ctx: A QUERY-kind context to record the prompts' queries in,
+            e.g. ``ctx.for_kind(LMCacheSDKCacheKind.QUERY)`` of the same
+            named store; ``None`` records nothing.
+
+    Raises:
+        CacheKindError: If ``query_ctx`` is given and its ``kind`` is not
+            ``LMCacheSDKCacheKind.QUERY``.
     """
 
-    def __init__(self, ctx: KVContext, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        ctx: KVContext,
+        config: EngineConfig | None = None,
+        *,
+        query_ctx: KVContext | None = None,
+    ) -> None:
+        if query_ctx is not None:
+            kind = getattr(query_ctx, "kind", None)
+            if kind is not LMCacheSDKCacheKind.QUERY:
+                # A KV context here would get queries stored over its KV.
+                raise CacheKindError(
+                    f"query_ctx must be a QUERY context (e.g. "
+                    f"ctx.for_kind(LMCacheSDKCacheKind.QUERY)), got "
+                    f"{query_ctx!r} of kind {kind!r}"
+                )
         self._ctx = ctx
+        self._query_ctx = query_ctx
         self._config = config if config is not None else EngineConfig()
         self._vocab = ToyVocab(self._config.vocab_size, self._config.eos_token_id)
         self._stats = EngineStats()
         self._lock = threading.Lock()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self._ctx, self._config))
+        if self._query_ctx is None:
+            return (type(self), (self._ctx, self._config))
+        # query_ctx is keyword-only: a partial carries it (and the class).
+        rebuild = functools.partial(type(self), query_ctx=self._query_ctx)
+        return (rebuild, (self._ctx, self._config))
 
     def __repr__(self) -> str:
-        return f"EmbeddedEngine({self._ctx!r}, {self._config!r})"
+        if self._query_ctx is None:
+            return f"EmbeddedEngine({self._ctx!r}, {self._config!r})"
+        return (
+            f"EmbeddedEngine({self._ctx!r}, {self._config!r}, "
+            f"query_ctx={self._query_ctx!r})"
+        )
 
     @property
     def ctx(self) -> KVContext:
         """The KV context the engine reads and writes."""
         return self._ctx
+
+    @property
+    def query_ctx(self) -> KVContext | None:
+        """The QUERY context prompts' queries are recorded in, if any."""
+        return self._query_ctx
 
     @property
     def config(self) -> EngineConfig:
@@ -167,8 +222,8 @@ class EmbeddedEngine:
             StreamInputError: If the prompt is empty, holds a token outside
                 the vocabulary, or does not fit ``max_position`` with
                 ``max_tokens``.
-            KVConfigError: On iteration, if the cached KV's layout does not
-                match the model.
+            KVConfigError: On iteration, if the cached KV's (or recorded
+                queries') layout does not match the model.
         """
         params = SamplingParams.from_mapping(sampling_params)
         prompt = self._check_prompt(prompt_token_ids, params.max_tokens)
@@ -209,9 +264,16 @@ class EmbeddedEngine:
         seq = KVSequence(self._config, len(prompt) + params.max_tokens)
         cached = self._ctx.retrieve(prompt, salt)
         reused = 0 if cached is None else seq.load(as_numpy(cached), len(prompt) - 1)
-        logits = seq.extend(prompt[reused:])
+        query_ctx, queries = self._query_ctx, None
+        if query_ctx is not None:
+            cfg = self._config
+            shape = (1, cfg.layers, len(prompt), cfg.width)
+            queries = np.zeros(shape, dtype=cfg.kv_dtype)
+        logits = seq.extend(prompt[reused:], None if queries is None else queries[0])
         # As LMCache offloads after prefill: the context keeps full chunks.
         self._ctx.store(seq.prefix(len(prompt)), prompt, salt)
+        if query_ctx is not None and queries is not None:
+            self._record_queries(query_ctx, queries, prompt, reused, salt)
         computed = len(prompt) - reused
         self._count(EngineStats(1, len(prompt), reused, computed, 0))
         sampler = Sampler(params)
@@ -226,3 +288,48 @@ class EmbeddedEngine:
             )
             if step + 1 < params.max_tokens:
                 logits = seq.extend([token])
+
+    def _record_queries(
+        self,
+        query_ctx: KVContext,
+        queries: npt.NDArray[Any],
+        prompt: list[int],
+        reused: int,
+        salt: str,
+    ) -> None:
+        """Fill the reused positions' queries from the store, store the rest.
+
+        Args:
+            query_ctx: The QUERY context.
+            queries: ``[1, L, len(prompt), D]``, computed from ``reused`` on.
+            prompt: The prompt.
+            reused: Leading positions whose KV came from the cache.
+            salt: The call's cache salt.
+
+        Raises:
+            KVConfigError: If the stored queries' layout is not the model's.
+        """
+        known = len(prompt)
+        if reused:
+            cached = query_ctx.retrieve(prompt, salt)
+            got = 0
+            if cached is not None:
+                stored = as_numpy(cached)
+                cfg = self._config
+                if (
+                    stored.ndim != 4
+                    or stored.shape[:2] != (1, cfg.layers)
+                    or stored.shape[3] != cfg.width
+                ):
+                    raise KVConfigError(
+                        f"the query context returned queries of shape "
+                        f"{tuple(stored.shape)}, but the engine's model needs "
+                        f"[1, {cfg.layers}, T, {cfg.width}]"
+                    )
+                got = min(int(stored.shape[2]), reused)
+                queries[:, :, :got] = stored[:, :, :got]
+            if got < reused:
+                # Positions got..reused-1 were neither computed nor cached.
+                known = got
+        if known:
+            query_ctx.store(queries[:, :, :known], prompt[:known], salt)

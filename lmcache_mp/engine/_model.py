@@ -201,11 +201,18 @@ class KVSequence:
         a, b = x[..., :half], x[..., half:]
         return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
-    def extend(self, tokens: Sequence[int]) -> F64:
+    def extend(
+        self, tokens: Sequence[int], queries: npt.NDArray[Any] | None = None
+    ) -> F64:
         """Run the model over ``tokens`` at the next positions.
 
         Args:
             tokens: Token ids to append (at least one).
+            queries: An optional ``[L, >= end, D]`` output buffer: row
+                ``p`` of each layer receives position ``p``'s rotated query
+                (what attention scores the keys with), clipped to the range
+                attention reads and cast to the buffer's dtype, for the
+                appended positions only.
 
         Returns:
             The ``[V]`` logits of the last appended position.
@@ -229,8 +236,18 @@ class KVSequence:
                 .reshape(2, rows, cfg.width)
             )
             self._snap(start, end, slice(index, index + 1))
+            rotated = self._rotate(q, start, end)
+            if queries is not None:
+                # Laid out as a KV row ([M, D], heads side by side), and
+                # clipped as to_grid clips it, so a stored query is the one
+                # attention used.
+                queries[index, start:end] = (
+                    np.clip(rotated, -ACT_LIMIT, ACT_LIMIT)
+                    .transpose(1, 0, 2)
+                    .reshape(rows, cfg.width)
+                )
             mixed = attend(
-                self._rotate(q, start, end),
+                rotated,
                 self._grid[0, index],
                 self._grid[1, index],
                 start,
