@@ -339,3 +339,20 @@ def test_a_missing_query_fails_only_that_stream_in_a_batch(
         assert "no cached QUERY" in str(info.value.failures[bare.request_stream_id])
         assert bare.state == before
         assert good.tokens == PROMPT[4:8]
+
+
+def test_a_ready_made_edit_works_on_either_api(kinds_store: tuple[Any, Any]) -> None:
+    """make_edit("random") given a 0.5.6 stream's {kind: tensor} edits its KV exactly as on a seed stream."""
+    from lmcache_mp.edits import make_edit
+
+    kv_ctx, q_ctx = kinds_store
+    edit = make_edit("random", keep=0.5, keep_first=0, keep_last=0, seed=3)
+    request = _prefilled(kv_ctx, q_ctx)
+    request.modify_kv(edit, array="numpy")
+    seed = lmc_stream.create_request(kv_ctx, FakeEngine(kv_ctx), PROMPT)
+    seed.generate({})
+    seed.modify_kv(edit)
+    assert request.tokens == seed.tokens and len(seed.tokens) == 4
+    np.testing.assert_array_equal(
+        kv_ctx.retrieve(request.tokens), kv_ctx.retrieve(seed.tokens)
+    )

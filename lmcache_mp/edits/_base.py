@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -12,6 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lmcache_mp._arrays import as_numpy
+from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 
 __all__ = [
     "Edit",
@@ -47,7 +48,8 @@ class Edit(ABC):
         Args:
             kv: The KV, ``[2, L, T, D]`` (K/V, layers, tokens, width), as a
                 numpy array (float32, float16 or ml_dtypes bfloat16) or
-                anything :func:`numpy.asarray` accepts.
+                anything :func:`numpy.asarray` accepts; or a mapping
+                ``{kind: tensor}`` (a 0.5.6-API stream's), whose KV is used.
             tokens: The ``T`` token ids the KV belongs to.
 
         Returns:
@@ -61,6 +63,10 @@ class Edit(ABC):
                 ``T == len(tokens)``, or does not fit the edit's parameters
                 (e.g. a layer index out of range).
         """
+        if isinstance(kv, Mapping):
+            # A 0.5.6-API stream hands {kind: tensor}: these edits read and
+            # return its KV (issue #11), so make_edit works on either API.
+            kv = kv[LMCacheSDKCacheKind.KV]
         arr, toks = _check_input(kv, tokens, type(self).__name__)
         return self._apply(arr, toks)
 
