@@ -1,7 +1,9 @@
 """lmcache_mp: LMCache's Batched Stream SDK on a persistent process pool.
 
 ``lmcache_mp.stream`` and ``lmcache_mp.batch`` keep upstream's API
-(``lmcache.sdk.stream`` / ``lmcache.sdk.batch``); ``connect()`` opens the
+(``lmcache.sdk.stream`` / ``lmcache.sdk.batch``), ``lmcache_mp.request``
+upstream 0.5.6's (``lmcache.sdk.request``: contexts by cache kind);
+``connect()`` opens the
 embedded shared-memory KV store; ``lmcache_mp.engine`` holds the embedded
 engine and the OpenAI-compatible client; ``lmcache_mp.edits`` ready-made
 KV edits. Importing the package starts nothing.
@@ -17,6 +19,7 @@ from lmcache_mp.errors import (
 from lmcache_mp.hints import gil_bound, releases_gil
 from lmcache_mp.kv import KVContext, connect
 from lmcache_mp.metrics import Metrics
+from lmcache_mp.request import LMCacheRequestStream
 from lmcache_mp.stream import (
     LMCacheStream,
     StreamPerfMetrics,
@@ -30,6 +33,7 @@ __all__ = [
     "LMCacheBatchedStream",
     "LMCacheBatchedStreamError",
     "LMCacheError",
+    "LMCacheRequestStream",
     "LMCacheSDKCacheKind",
     "LMCacheStream",
     "LMCacheStreamError",
