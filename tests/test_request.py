@@ -356,3 +356,38 @@ def test_a_ready_made_edit_works_on_either_api(kinds_store: tuple[Any, Any]) -> 
     np.testing.assert_array_equal(
         kv_ctx.retrieve(request.tokens), kv_ctx.retrieve(seed.tokens)
     )
+
+
+@pytest.mark.parametrize("api", ["seed", "0.5.6 without QUERY"])
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_snapkv_on_a_stream_without_queries_fails_it_naming_the_stream(
+    api: str, executor: str, kinds_store: tuple[Any, Any]
+) -> None:
+    """snapkv given a stream with no QUERY context fails that stream with a typed error saying why; nothing is committed for it, the others commit."""
+    from lmcache_mp.edits import make_edit
+
+    kv_ctx, q_ctx = kinds_store
+    with lmc_batch.LMCacheBatchedStream(executor, max_workers=2) as batch:
+        good = lmc_request.create_request(
+            [kv_ctx, q_ctx], QueryFakeEngine(kv_ctx, q_ctx), PROMPT
+        )
+        other = [40 + t for t in PROMPT]
+        if api == "seed":
+            bad: Any = lmc_stream.create_request(kv_ctx, FakeEngine(kv_ctx), other)
+        else:
+            bad = lmc_request.create_request([kv_ctx], FakeEngine(kv_ctx), other)
+        batch.add(good)
+        batch.add(bad)
+        batch.prefill({})
+        before = bad.state.copy()
+        with pytest.raises(LMCacheBatchedStreamError) as info:
+            batch.modify(make_edit("snapkv", keep=0.5, window=2, kernel=1))
+        sid = bad._stream_id
+        assert list(info.value.failures) == [sid]
+        failure = info.value.failures[sid]
+        assert isinstance(failure, LMCacheStreamError)
+        assert sid in str(failure) and "CacheKindError" in str(failure)
+        assert "QUERY context" in str(failure)
+        assert bad.state == before
+        np.testing.assert_array_equal(kv_ctx.retrieve(other), kv_for(other)[:, :, :8])
+        assert len(good.tokens) == 4
