@@ -106,7 +106,8 @@ class EmbeddedEngine:
     ) -> None:
         if query_ctx is not None:
             kind = getattr(query_ctx, "kind", None)
-            if kind is not LMCacheSDKCacheKind.QUERY:
+            # By value: upstream's own enum members name the same kinds.
+            if getattr(kind, "value", kind) != LMCacheSDKCacheKind.QUERY.value:
                 # A KV context here would get queries stored over its KV.
                 raise CacheKindError(
                     f"query_ctx must be a QUERY context (e.g. "
