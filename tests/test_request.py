@@ -391,3 +391,22 @@ def test_snapkv_on_a_stream_without_queries_fails_it_naming_the_stream(
         assert bad.state == before
         np.testing.assert_array_equal(kv_ctx.retrieve(other), kv_for(other)[:, :, :8])
         assert len(good.tokens) == 4
+
+
+def test_without_torch_a_kinds_fn_gets_numpy(
+    kinds_store: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where torch is not installed, a 0.5.6 stream's fn is handed numpy arrays instead of failing."""
+    import sys
+
+    kv_ctx, q_ctx = kinds_store
+    stream = _prefilled(kv_ctx, q_ctx)
+    monkeypatch.setitem(sys.modules, "torch", None)
+    types = []
+
+    def record(tensors: Mapping[Any, Any], tokens: list[int]) -> tuple[Any, list[int]]:
+        types.extend(type(t) for t in tensors.values())
+        return tensors[KV], tokens
+
+    stream.modify_kv(record)
+    assert types == [np.ndarray, np.ndarray]
