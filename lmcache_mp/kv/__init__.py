@@ -1,7 +1,9 @@
-"""KV contexts: the protocol, the embedded shared-memory store, and the
-Redis store (``redis`` itself is imported only when one is first used)."""
+"""KV contexts: the protocol, the embedded shared-memory store, the Redis
+store (``redis`` itself is imported only when one is first used), and a
+real LMCache server's context (``lmcache`` likewise)."""
 
 from lmcache_mp.kv._connect import KVStore, connect
+from lmcache_mp.kv._lmcache import lmcache_context
 from lmcache_mp.kv._protocol import KVContext
 from lmcache_mp.kv._redis import RedisKVStore
 from lmcache_mp.kv._shm import (
@@ -20,4 +22,5 @@ __all__ = [
     "StagedChunks",
     "StoreStats",
     "connect",
+    "lmcache_context",
 ]
