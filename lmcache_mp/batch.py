@@ -26,13 +26,8 @@ from lmcache_mp._phase import build_phase, check_stores
 from lmcache_mp._reports import ExecutorInfo, generate_report, modify_report
 from lmcache_mp._streambase import StreamBase
 from lmcache_mp._validate import select_streams
-from lmcache_mp.errors import (
-    LMCacheBatchedStreamError,
-)
-from lmcache_mp.executors import (
-    PhaseExecutor,
-    PhaseRun,
-)
+from lmcache_mp.errors import LMCacheBatchedStreamError
+from lmcache_mp.executors import PhaseExecutor, PhaseRun
 from lmcache_mp.executors._factory import make_executor
 from lmcache_mp.metrics import Metrics, get_formatter
 from lmcache_mp.stream import (
