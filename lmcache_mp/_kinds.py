@@ -11,39 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from lmcache_mp.cache_kind import LMCacheSDKCacheKind
+from lmcache_mp.cache_kind import LMCacheSDKCacheKind, as_kind
 from lmcache_mp.errors import CacheKindError
 from lmcache_mp.kv import KVContext
 
-__all__ = ["KindTensors", "as_kind", "by_kind", "edited_kv"]
+__all__ = ["KindTensors", "by_kind", "edited_kv"]
 
 KV = LMCacheSDKCacheKind.KV
-_KNOWN = ", ".join(k.name for k in LMCacheSDKCacheKind)
-
-
-def as_kind(value: Any, sid: str | None = None) -> LMCacheSDKCacheKind:
-    """Return the lmcache_mp kind ``value`` names.
-
-    Args:
-        value: An ``LMCacheSDKCacheKind`` of lmcache_mp or of upstream, or
-            its value (``"kv"``, ``"query"``).
-        sid: The stream to name in the error.
-
-    Returns:
-        The kind.
-
-    Raises:
-        CacheKindError: If ``value`` is no known kind.
-    """
-    if isinstance(value, LMCacheSDKCacheKind):
-        return value
-    try:
-        return LMCacheSDKCacheKind(getattr(value, "value", value))
-    except (ValueError, TypeError):
-        where = f"stream {sid}: " if sid else ""
-        raise CacheKindError(
-            f"{where}{value!r} is not a cache kind (known: {_KNOWN})", sid
-        ) from None
 
 
 def by_kind(

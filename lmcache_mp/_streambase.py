@@ -277,13 +277,6 @@ class StreamBase:
                 )
             time.sleep(poll_interval)
 
-    def _validate(
-        self, kv: Any, tokens: Sequence[int], kind: LMCacheSDKCacheKind = KV
-    ) -> tuple[npt.NDArray[Any], list[int]]:
-        """Return an edited tensor of ``kind`` as numpy and its tokens as
-        ints, or raise."""
-        return check_edit(kv, tokens, kind, self._stream_id)
-
     def _write(
         self,
         arr: npt.NDArray[Any],
@@ -339,7 +332,7 @@ class StreamBase:
     ) -> None:
         """:meth:`update_kv` for the context of ``kind``."""
         self._context(kind)  # an unknown kind fails before any check
-        arr, toks = self._validate(kv, tokens, kind)
+        arr, toks = check_edit(kv, tokens, kind, self._stream_id)
         # Tokens the stream already holds: the caller edited their cached KV.
         self._write(
             arr,
@@ -432,7 +425,7 @@ class StreamBase:
                 sid,
             )
         edited = time.perf_counter()
-        new_kv, toks = self._validate(result[0], result[1])
+        new_kv, toks = check_edit(result[0], result[1], KV, sid)
         # Only a same-token edit overwrites, and a batch stages it: any other
         # edit leaves the chunks of the previous state intact, so a worker
         # dying before the batch commits leaves the stream fully unmodified

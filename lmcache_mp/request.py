@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from lmcache_mp._arrays import as_type, fn_array
-from lmcache_mp._kinds import as_kind, by_kind
+from lmcache_mp._kinds import by_kind
 from lmcache_mp._records import (
     ModifyFn,
     PostCompletion,
@@ -26,7 +26,7 @@ from lmcache_mp._records import (
     TokenEvent,
 )
 from lmcache_mp._streambase import StreamBase
-from lmcache_mp.cache_kind import LMCacheSDKCacheKind
+from lmcache_mp.cache_kind import LMCacheSDKCacheKind, as_kind
 from lmcache_mp.errors import LMCacheStreamError, StreamInputError
 from lmcache_mp.kv import KVContext
 

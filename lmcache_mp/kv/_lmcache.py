@@ -24,8 +24,13 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from lmcache_mp._arrays import as_numpy, as_type
-from lmcache_mp.cache_kind import LMCacheSDKCacheKind
-from lmcache_mp.errors import KVConfigError, KVStoreConnectionError, KVStoreError
+from lmcache_mp.cache_kind import LMCacheSDKCacheKind, as_kind
+from lmcache_mp.errors import (
+    CacheKindError,
+    KVConfigError,
+    KVStoreConnectionError,
+    KVStoreError,
+)
 
 __all__ = ["LMCacheContext", "lmcache_context"]
 
@@ -218,11 +223,10 @@ class LMCacheContext:
         Raises:
             KVConfigError: If an argument has the wrong type or value.
         """
-        if not isinstance(kind, LMCacheSDKCacheKind):
-            try:
-                kind = LMCacheSDKCacheKind(getattr(kind, "value", kind))
-            except ValueError:
-                raise KVConfigError(f"{kind!r} is not a cache kind") from None
+        try:
+            kind = as_kind(kind)
+        except CacheKindError:
+            raise KVConfigError(f"{kind!r} is not a cache kind") from None
         for name, value in (("url", url), ("http_url", http_url)):
             if not isinstance(value, str) or not value:
                 raise KVConfigError(f"{name} must be a non-empty str, got {value!r}")
