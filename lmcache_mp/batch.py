@@ -18,14 +18,14 @@ from concurrent.futures import Executor
 from types import TracebackType
 from typing import Any
 
-from lmcache_mp._arrays import check_array_type
-from lmcache_mp._batch_names import UpstreamNames
-from lmcache_mp._commit import commit, raise_failures
-from lmcache_mp._memory import modify_bound
-from lmcache_mp._phase import build_phase, check_stores
-from lmcache_mp._reports import ExecutorInfo, generate_report, modify_report
-from lmcache_mp._streambase import StreamBase
-from lmcache_mp._validate import select_streams
+from lmcache_mp._core.batch_names import UpstreamNames
+from lmcache_mp._core.commit import commit, raise_failures
+from lmcache_mp._core.memory import modify_bound
+from lmcache_mp._core.phase import build_phase, check_stores
+from lmcache_mp._core.reports import ExecutorInfo, generate_report, modify_report
+from lmcache_mp._core.streambase import StreamBase
+from lmcache_mp._core.validate import select_streams
+from lmcache_mp._util.arrays import check_array_type
 from lmcache_mp.errors import LMCacheBatchedStreamError
 from lmcache_mp.executors import PhaseExecutor, PhaseRun
 from lmcache_mp.executors._factory import make_executor
@@ -73,7 +73,7 @@ class LMCacheBatchedStream(UpstreamNames):
 
     Upstream 0.5.6's names (``request_streams``, ``get_request_stream``,
     ``run_request_streams``, ``modify_request_streams``) are the same
-    registry and phases (:class:`~lmcache_mp._batch_names.UpstreamNames`);
+    registry and phases (:class:`~lmcache_mp._core.batch_names.UpstreamNames`);
     streams of either API can be added.
 
     Attributes:

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from lmcache_mp._formatters import (
+from lmcache_mp._core.formatters import (
     JSONFormatter,
     MarkdownFormatter,
     MetricsFormatter,
@@ -26,8 +26,8 @@ from lmcache_mp._formatters import (
     get_formatter,
     register_formatter,
 )
-from lmcache_mp._paths import atomic_write_text
-from lmcache_mp._section import Section, report_dict
+from lmcache_mp._core.section import Section, report_dict
+from lmcache_mp._util.paths import atomic_write_text
 
 __all__ = [
     "FileHandler",

@@ -5,7 +5,7 @@ kind (KV, QUERY), whose modify fn takes ``{kind: tensor}``.
 ``import lmcache_mp.request as lmc_request`` in place of
 ``import lmcache.sdk.request as lmc_request`` runs 0.5.6 code unchanged on
 lmcache_mp's executors. The implementation is the one every stream shares
-(:class:`~lmcache_mp._streambase.StreamBase`); only the accessors differ
+(:class:`~lmcache_mp._core.streambase.StreamBase`); only the accessors differ
 from :mod:`lmcache_mp.stream`'s (properties here, as 0.5.6 has them).
 """
 
@@ -15,9 +15,8 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from lmcache_mp._arrays import as_type, fn_array
-from lmcache_mp._kinds import by_kind
-from lmcache_mp._records import (
+from lmcache_mp._core.kinds import by_kind
+from lmcache_mp._core.records import (
     ModifyFn,
     PostCompletion,
     StreamModifyMetrics,
@@ -25,7 +24,8 @@ from lmcache_mp._records import (
     StreamState,
     TokenEvent,
 )
-from lmcache_mp._streambase import StreamBase
+from lmcache_mp._core.streambase import StreamBase
+from lmcache_mp._util.arrays import as_type, fn_array
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind, as_kind
 from lmcache_mp.errors import LMCacheStreamError, StreamInputError
 from lmcache_mp.kv import KVContext

@@ -2,7 +2,7 @@
 
 The public names follow upstream ``lmcache.sdk.stream`` (the seed's API);
 the implementation every stream shares is :class:`StreamBase`
-(``lmcache_mp._streambase``).
+(``lmcache_mp._core.streambase``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy.typing as npt
 
-from lmcache_mp._records import (
+from lmcache_mp._core.records import (
     ModifyFn,
     PostCompletion,
     StreamModifyMetrics,
@@ -20,7 +20,7 @@ from lmcache_mp._records import (
     StreamState,
     TokenEvent,
 )
-from lmcache_mp._streambase import StreamBase
+from lmcache_mp._core.streambase import StreamBase
 from lmcache_mp.errors import LMCacheStreamError
 from lmcache_mp.kv import KVContext
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from lmcache_mp._paths import shm_root
+from lmcache_mp._util.paths import shm_root
 from lmcache_mp.kv import SharedMemoryKVStore, connect
 from tests._clusters import (
     DaskHosts,

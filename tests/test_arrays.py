@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from lmcache_mp._arrays import as_numpy
+from lmcache_mp._util.arrays import as_numpy
 
 
 class FakeTensor:

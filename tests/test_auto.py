@@ -20,7 +20,7 @@ import pytest
 import lmcache_mp
 import lmcache_mp.batch as lmc_batch
 import lmcache_mp.stream as lmc_stream
-from lmcache_mp._phase import PhaseSpec
+from lmcache_mp._core.phase import PhaseSpec
 from lmcache_mp.edits import make_edit
 from lmcache_mp.engine import EmbeddedEngine
 from lmcache_mp.executors._auto import AutoExecutor, GilWatch, weigh

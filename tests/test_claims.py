@@ -13,8 +13,8 @@ import cloudpickle
 import pytest
 
 import lmcache_mp
-from lmcache_mp._phase import PhaseSpec, StreamJob, StreamOutcome
-from lmcache_mp._records import StreamState
+from lmcache_mp._core.phase import PhaseSpec, StreamJob, StreamOutcome
+from lmcache_mp._core.records import StreamState
 from lmcache_mp.errors import TerminatedWorkerError
 from lmcache_mp.executors._claims import Claims, FileClaims, RedisClaims
 from lmcache_mp.executors._worker import ShardTask, run_shard

@@ -458,8 +458,8 @@ def test_a_worker_killed_after_an_in_place_edit_landed_keeps_the_old_kv(
 _PRELUDE = """
 import os, signal, sys, threading, time
 sys.path.insert(0, {root!r})
-import lmcache_mp._paths
-lmcache_mp._paths.shm_root = lambda: {scratch!r}
+import lmcache_mp._util.paths
+lmcache_mp._util.paths.shm_root = lambda: {scratch!r}
 import psutil
 from lmcache_mp.kv import connect
 from tests.test_kill_rounds import _spawn_batch, _two_prefilled_streams

@@ -18,7 +18,7 @@ import pytest
 
 import lmcache_mp.batch as lmc_batch
 import lmcache_mp.stream as lmc_stream
-from lmcache_mp._arrays import as_type
+from lmcache_mp._util.arrays import as_type
 from lmcache_mp.errors import LMCacheBatchedStreamError
 from lmcache_mp.kv import SharedMemoryKVStore, connect
 

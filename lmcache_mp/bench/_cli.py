@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from lmcache_mp._paths import atomic_write_text
+from lmcache_mp._util.paths import atomic_write_text
 from lmcache_mp.bench._compare import (
     format_compare,
     pool_starts,

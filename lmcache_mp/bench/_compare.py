@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from tabulate import tabulate
 
-from lmcache_mp._records import StreamState
+from lmcache_mp._core.records import StreamState
 from lmcache_mp.batch import LMCacheBatchedStream
 from lmcache_mp.bench._config import BenchConfig
 from lmcache_mp.bench._monitor import PeakMemory

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcache_mp._paths import atomic_write_text
+from lmcache_mp._util.paths import atomic_write_text
 from lmcache_mp.bench._config import BenchConfig, at_sweep_value, sweep_values
 from lmcache_mp.bench._figures import point_figures
 from lmcache_mp.bench._machine import (

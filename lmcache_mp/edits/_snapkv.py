@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import numpy.typing as npt
 
-from lmcache_mp._arrays import as_numpy
+from lmcache_mp._util.arrays import as_numpy
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.edits._base import (
     Edit,

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lmcache_mp._arrays import as_numpy
+from lmcache_mp._util.arrays import as_numpy
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.engine._config import EngineConfig
 from lmcache_mp.engine._model import KVSequence

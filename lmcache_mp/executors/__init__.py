@@ -7,7 +7,7 @@ The batch picks an executor by name (``"auto"``, ``"serial"``,
 :class:`concurrent.futures.Executor` or ``distributed.Client``. One module
 per engine, over one worker boundary (:mod:`lmcache_mp.executors._worker`,
 the claims of :mod:`lmcache_mp.executors._claims` and the plain
-dataclasses of :mod:`lmcache_mp._phase`).
+dataclasses of :mod:`lmcache_mp._core.phase`).
 """
 
 from lmcache_mp.executors._base import (

@@ -30,7 +30,7 @@ from types import TracebackType
 
 import cloudpickle
 
-from lmcache_mp._phase import PhaseSpec, StreamJob
+from lmcache_mp._core.phase import PhaseSpec, StreamJob
 from lmcache_mp.errors import LMCachePicklingError
 from lmcache_mp.executors._base import PhaseExecutor, PhaseRun, physical_cores
 from lmcache_mp.executors._process import ProcessExecutor

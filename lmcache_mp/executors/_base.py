@@ -1,6 +1,6 @@
 """What every executor shares: the phase executor interface and its result.
 
-Every executor takes the same input (a :class:`~lmcache_mp._phase.PhaseSpec`
+Every executor takes the same input (a :class:`~lmcache_mp._core.phase.PhaseSpec`
 and one job per stream) and returns one outcome per stream; the batch
 commits the successful ones.
 """
@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from lmcache_mp._phase import PhaseSpec, StreamJob, StreamOutcome
+from lmcache_mp._core.phase import PhaseSpec, StreamJob, StreamOutcome
 from lmcache_mp.errors import PhaseTimeoutError
 
 __all__ = [

@@ -24,7 +24,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache_mp._paths import private_tempdir, remove_tree
+from lmcache_mp._util.paths import private_tempdir, remove_tree
 
 __all__ = ["Claims", "FileClaims", "RedisClaims"]
 

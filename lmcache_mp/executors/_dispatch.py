@@ -25,8 +25,8 @@ from typing import Any
 
 import cloudpickle
 
-from lmcache_mp._paths import private_tempdir
-from lmcache_mp._phase import PhaseSpec, StreamJob, StreamOutcome
+from lmcache_mp._core.phase import PhaseSpec, StreamJob, StreamOutcome
+from lmcache_mp._util.paths import private_tempdir
 from lmcache_mp.errors import (
     LMCachePicklingError,
     LMCacheStreamError,

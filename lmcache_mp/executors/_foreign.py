@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from concurrent.futures import Executor
 
-from lmcache_mp._paths import remove_tree
-from lmcache_mp._phase import StreamJob
+from lmcache_mp._core.phase import StreamJob
+from lmcache_mp._util.paths import remove_tree
 from lmcache_mp.errors import TerminatedWorkerError
 from lmcache_mp.executors._base import PhaseRun
 from lmcache_mp.executors._claims import Claims

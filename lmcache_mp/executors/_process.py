@@ -36,8 +36,8 @@ from concurrent.futures import Executor
 from concurrent.futures.process import BrokenProcessPool, ProcessPoolExecutor
 from multiprocessing.process import BaseProcess
 
-from lmcache_mp._paths import remove_tree
-from lmcache_mp._phase import StreamJob, StreamOutcome
+from lmcache_mp._core.phase import StreamJob, StreamOutcome
+from lmcache_mp._util.paths import remove_tree
 from lmcache_mp.errors import TerminatedWorkerError
 from lmcache_mp.executors._base import PhaseRun, physical_cores
 from lmcache_mp.executors._claims import Claims

@@ -29,8 +29,8 @@ import abc
 from concurrent.futures import Executor
 from typing import Any
 
-from lmcache_mp._paths import remove_tree
-from lmcache_mp._phase import PhaseSpec, StreamJob, StreamOutcome
+from lmcache_mp._core.phase import PhaseSpec, StreamJob, StreamOutcome
+from lmcache_mp._util.paths import remove_tree
 from lmcache_mp.errors import TerminatedWorkerError
 from lmcache_mp.executors._base import PhaseRun
 from lmcache_mp.executors._claims import Claims, FileClaims, RedisClaims

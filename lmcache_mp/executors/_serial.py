@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from lmcache_mp._phase import PhaseSpec, StreamJob
+from lmcache_mp._core.phase import PhaseSpec, StreamJob
 from lmcache_mp.executors._base import PhaseExecutor, PhaseRun, timeout_outcome
 from lmcache_mp.executors._worker import run_job
 

@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-from lmcache_mp._phase import PhaseSpec, StreamJob, StreamOutcome
+from lmcache_mp._core.phase import PhaseSpec, StreamJob, StreamOutcome
 from lmcache_mp.executors._base import (
     PhaseExecutor,
     PhaseRun,

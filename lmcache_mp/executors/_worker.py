@@ -3,7 +3,7 @@ the caller): rebuild a stream from its state, run the phase, hand back the
 new state and the figures.
 
 Nothing here touches the parent's objects; the boundary is the plain
-dataclasses of :mod:`lmcache_mp._phase`.
+dataclasses of :mod:`lmcache_mp._core.phase`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import cloudpickle
 
-from lmcache_mp._phase import PhaseSpec, StreamJob, StreamOutcome
-from lmcache_mp._streambase import StreamBase
+from lmcache_mp._core.phase import PhaseSpec, StreamJob, StreamOutcome
+from lmcache_mp._core.streambase import StreamBase
 from lmcache_mp.errors import (
     LMCachePicklingError,
     LMCacheStreamError,

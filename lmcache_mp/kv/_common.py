@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from lmcache_mp._arrays import as_numpy
+from lmcache_mp._util.arrays import as_numpy
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import CorruptChunkWarning, KVConfigError
 from lmcache_mp.kv._chunk import CorruptChunk

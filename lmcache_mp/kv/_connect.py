@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias, overload
 from urllib.parse import SplitResult, urlsplit
 
-from lmcache_mp._paths import shm_root
+from lmcache_mp._util.paths import shm_root
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVConfigError
 from lmcache_mp.kv._capacity import default_capacity

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from lmcache_mp._arrays import as_numpy, as_type
+from lmcache_mp._util.arrays import as_numpy, as_type
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind, as_kind
 from lmcache_mp.errors import (
     CacheKindError,

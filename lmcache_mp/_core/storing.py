@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy.typing as npt
 
-from lmcache_mp._arrays import as_numpy
-from lmcache_mp._kinds import edited_kv
-from lmcache_mp._validate import check_tokens
+from lmcache_mp._core.kinds import edited_kv
+from lmcache_mp._core.validate import check_tokens
+from lmcache_mp._util.arrays import as_numpy
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import StreamInputError
 from lmcache_mp.kv import KVContext

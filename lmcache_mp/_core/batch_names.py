@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from lmcache_mp._records import ModifyFn
-from lmcache_mp._streambase import StreamBase
+from lmcache_mp._core.records import ModifyFn
+from lmcache_mp._core.streambase import StreamBase
 
 __all__ = ["UpstreamNames"]
 

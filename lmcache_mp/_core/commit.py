@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from lmcache_mp._streambase import StreamBase
+from lmcache_mp._core.streambase import StreamBase
 from lmcache_mp.errors import (
     LMCacheBatchedStreamError,
     LMCacheStreamError,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import psutil
 
-from lmcache_mp._streambase import StreamBase
+from lmcache_mp._core.streambase import StreamBase
 
 __all__ = ["modify_bound"]
 

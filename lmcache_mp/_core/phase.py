@@ -13,14 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lmcache_mp._records import (
+from lmcache_mp._core.records import (
     ModifyFn,
     PostCompletion,
     StreamModifyMetrics,
     StreamPerfMetrics,
     StreamState,
 )
-from lmcache_mp._streambase import StreamBase
+from lmcache_mp._core.streambase import StreamBase
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError, LMCacheBatchedStreamError
 from lmcache_mp.kv import KVContext

@@ -25,17 +25,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lmcache_mp._arrays import as_type, check_array_type, fn_array
-from lmcache_mp._kinds import KindTensors
-from lmcache_mp._records import (
+from lmcache_mp._core.kinds import KindTensors
+from lmcache_mp._core.records import (
     ModifyFn,
     PostCompletion,
     StreamModifyMetrics,
     StreamPerfMetrics,
     StreamState,
 )
-from lmcache_mp._storing import check_edit, store_edit
-from lmcache_mp._validate import check_max_tokens, check_tokens
+from lmcache_mp._core.storing import check_edit, store_edit
+from lmcache_mp._core.validate import check_max_tokens, check_tokens
+from lmcache_mp._util.arrays import as_type, check_array_type, fn_array
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import (
     CacheKindError,
