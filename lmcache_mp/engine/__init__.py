@@ -1,7 +1,8 @@
 """post_completion engines: the embedded toy transformer and an OpenAI client."""
 
 from lmcache_mp.engine._config import EngineConfig
-from lmcache_mp.engine._embedded import EmbeddedEngine, EngineStats
+from lmcache_mp.engine._embedded import EmbeddedEngine
+from lmcache_mp.engine._stats import EngineStats
 from lmcache_mp.engine._vocab import ToyVocab
 from lmcache_mp.engine.http.openai import OpenAICompletions, post_completion
 

@@ -5,50 +5,23 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from lmcache_mp._util.arrays import as_numpy
-from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.engine._config import EngineConfig
 from lmcache_mp.engine._model import KVSequence
+from lmcache_mp.engine._prompt import check_prompt
+from lmcache_mp.engine._queries import check_query_ctx, record_queries
 from lmcache_mp.engine._sampling import Sampler, SamplingParams
+from lmcache_mp.engine._stats import EngineStats
 from lmcache_mp.engine._vocab import ToyVocab
-from lmcache_mp.errors import CacheKindError, KVConfigError, StreamInputError
 from lmcache_mp.hints import gil_bound
 from lmcache_mp.kv import KVContext
 from lmcache_mp.stream import TokenEvent
 
-__all__ = ["EmbeddedEngine", "EngineStats"]
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Totals over every call an engine has served in this process.
-
-    Args:
-        calls: Calls whose prompt was prefilled.
-        prompt_tokens: Prompt tokens of those calls.
-        cached_tokens: Prompt tokens whose KV came from the context.
-        computed_tokens: Prompt tokens run through the model
-            (``prompt_tokens - cached_tokens``).
-        generated_tokens: Tokens yielded.
-    """
-
-    calls: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    computed_tokens: int = 0
-    generated_tokens: int = 0
-
-    def __add__(self, other: EngineStats) -> EngineStats:
-        """Return the field-by-field sum of two totals."""
-        return EngineStats(
-            *(getattr(self, f.name) + getattr(other, f.name) for f in fields(self))
-        )
+__all__ = ["EmbeddedEngine"]
 
 
 @gil_bound
@@ -104,16 +77,7 @@ class EmbeddedEngine:
         *,
         query_ctx: KVContext | None = None,
     ) -> None:
-        if query_ctx is not None:
-            kind = getattr(query_ctx, "kind", None)
-            # By value: upstream's own enum members name the same kinds.
-            if getattr(kind, "value", kind) != LMCacheSDKCacheKind.QUERY.value:
-                # A KV context here would get queries stored over its KV.
-                raise CacheKindError(
-                    f"query_ctx must be a QUERY context (e.g. "
-                    f"ctx.for_kind(LMCacheSDKCacheKind.QUERY)), got "
-                    f"{query_ctx!r} of kind {kind!r}"
-                )
+        check_query_ctx(query_ctx)
         self._ctx = ctx
         self._query_ctx = query_ctx
         self._config = config if config is not None else EngineConfig()
@@ -227,36 +191,11 @@ class EmbeddedEngine:
                 queries') layout does not match the model.
         """
         params = SamplingParams.from_mapping(sampling_params)
-        prompt = self._check_prompt(prompt_token_ids, params.max_tokens)
+        cfg = self._config
+        prompt = check_prompt(
+            prompt_token_ids, params.max_tokens, cfg.vocab_size, cfg.max_position
+        )
         return self._generate(prompt, params, cache_salt)
-
-    def _check_prompt(self, prompt: Sequence[int], max_tokens: int) -> list[int]:
-        """Return the prompt as ints, or raise naming what is wrong."""
-        size = self._config.vocab_size
-        tokens: list[int] = []
-        for i, tok in enumerate(prompt):
-            if isinstance(tok, (bool, np.bool_)) or not isinstance(
-                tok, (int, np.integer)
-            ):
-                raise StreamInputError(
-                    f"prompt token {i} is {tok!r}, expected an int token id"
-                )
-            if not 0 <= tok < size:
-                raise StreamInputError(
-                    f"prompt token {i} is {tok}, outside the vocabulary [0, {size})"
-                )
-            tokens.append(int(tok))
-        if not tokens:
-            raise StreamInputError("the prompt is empty")
-        # The last generated token is never fed back, so it needs no position.
-        needed = len(tokens) + max_tokens - 1
-        if needed > self._config.max_position:
-            raise StreamInputError(
-                f"the prompt has {len(tokens)} tokens and max_tokens is "
-                f"{max_tokens}: {needed} positions, but max_position is "
-                f"{self._config.max_position}"
-            )
-        return tokens
 
     def _generate(
         self, prompt: list[int], params: SamplingParams, salt: str
@@ -274,7 +213,7 @@ class EmbeddedEngine:
         # As LMCache offloads after prefill: the context keeps full chunks.
         self._ctx.store(seq.prefix(len(prompt)), prompt, salt)
         if query_ctx is not None and queries is not None:
-            self._record_queries(query_ctx, queries, prompt, reused, salt)
+            record_queries(query_ctx, queries, prompt, reused, salt)
         computed = len(prompt) - reused
         self._count(EngineStats(1, len(prompt), reused, computed, 0))
         sampler = Sampler(params)
@@ -289,48 +228,3 @@ class EmbeddedEngine:
             )
             if step + 1 < params.max_tokens:
                 logits = seq.extend([token])
-
-    def _record_queries(
-        self,
-        query_ctx: KVContext,
-        queries: npt.NDArray[Any],
-        prompt: list[int],
-        reused: int,
-        salt: str,
-    ) -> None:
-        """Fill the reused positions' queries from the store, store the rest.
-
-        Args:
-            query_ctx: The QUERY context.
-            queries: ``[1, L, len(prompt), D]``, computed from ``reused`` on.
-            prompt: The prompt.
-            reused: Leading positions whose KV came from the cache.
-            salt: The call's cache salt.
-
-        Raises:
-            KVConfigError: If the stored queries' layout is not the model's.
-        """
-        known = len(prompt)
-        if reused:
-            cached = query_ctx.retrieve(prompt, salt)
-            got = 0
-            if cached is not None:
-                stored = as_numpy(cached)
-                cfg = self._config
-                if (
-                    stored.ndim != 4
-                    or stored.shape[:2] != (1, cfg.layers)
-                    or stored.shape[3] != cfg.width
-                ):
-                    raise KVConfigError(
-                        f"the query context returned queries of shape "
-                        f"{tuple(stored.shape)}, but the engine's model needs "
-                        f"[1, {cfg.layers}, T, {cfg.width}]"
-                    )
-                got = min(int(stored.shape[2]), reused)
-                queries[:, :, :got] = stored[:, :, :got]
-            if got < reused:
-                # Positions got..reused-1 were neither computed nor cached.
-                known = got
-        if known:
-            query_ctx.store(queries[:, :, :known], prompt[:known], salt)
