@@ -14,6 +14,7 @@ from lmcache_mp.executors._base import (
     EXECUTOR_NAMES,
     PhaseExecutor,
     PhaseRun,
+    Preload,
     physical_cores,
     timeout_outcome,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "EXECUTOR_NAMES",
     "PhaseExecutor",
     "PhaseRun",
+    "Preload",
     "SerialExecutor",
     "ThreadExecutor",
     "limit_blas_while",

@@ -32,7 +32,12 @@ import cloudpickle
 
 from lmcache_mp._core.phase import PhaseSpec, StreamJob
 from lmcache_mp.errors import LMCachePicklingError
-from lmcache_mp.executors._base import PhaseExecutor, PhaseRun, physical_cores
+from lmcache_mp.executors._base import (
+    PhaseExecutor,
+    PhaseRun,
+    Preload,
+    physical_cores,
+)
 from lmcache_mp.executors._process import ProcessExecutor
 from lmcache_mp.executors._thread import ThreadExecutor, limit_blas_while
 from lmcache_mp.executors._worker import run_job
@@ -182,7 +187,8 @@ class AutoExecutor(PhaseExecutor):
         max_workers: As for ``"process"`` (workers) and ``"thread"``
             (threads; default one per stream).
         mp_context: Start method of the pool.
-        preload: Modules each worker imports at start.
+        preload: Modules each worker imports at start, and callables
+            each calls then.
         blas_threads: BLAS threads per worker.
 
     Raises:
@@ -195,7 +201,7 @@ class AutoExecutor(PhaseExecutor):
         self,
         max_workers: int | None = None,
         mp_context: str = "spawn",
-        preload: Sequence[str] = (),
+        preload: Sequence[Preload] = (),
         blas_threads: int | None = None,
     ) -> None:
         self._process = ProcessExecutor(max_workers, mp_context, preload, blas_threads)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import TypeAlias
 
 from lmcache_mp._core.phase import PhaseSpec, StreamJob, StreamOutcome
 from lmcache_mp.errors import PhaseTimeoutError
@@ -19,9 +21,14 @@ __all__ = [
     "EXECUTOR_NAMES",
     "PhaseExecutor",
     "PhaseRun",
+    "Preload",
     "physical_cores",
     "timeout_outcome",
 ]
+
+#: What a worker preloads as it starts: a module to import, or a callable
+#: to call (it must pickle, e.g. a bound method of a picklable engine).
+Preload: TypeAlias = str | Callable[[], object]
 
 #: The executor names ``LMCacheBatchedStream(executor=...)`` accepts.
 EXECUTOR_NAMES = ("auto", "process", "serial", "thread")

@@ -7,7 +7,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from lmcache_mp.executors._auto import AutoExecutor
-from lmcache_mp.executors._base import EXECUTOR_NAMES, PhaseExecutor
+from lmcache_mp.executors._base import EXECUTOR_NAMES, PhaseExecutor, Preload
 from lmcache_mp.executors._dask import DaskExecutor, is_dask_client
 from lmcache_mp.executors._foreign import ForeignExecutor
 from lmcache_mp.executors._process import ProcessExecutor
@@ -22,7 +22,7 @@ def make_executor(
     executor: str | Executor | PhaseExecutor | Any,
     max_workers: int | None,
     mp_context: str,
-    preload: Sequence[str],
+    preload: Sequence[Preload],
     blas_threads: int | None,
 ) -> PhaseExecutor:
     """Turn a batch's ``executor=`` argument into a :class:`PhaseExecutor`.

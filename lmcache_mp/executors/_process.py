@@ -39,7 +39,7 @@ from multiprocessing.process import BaseProcess
 from lmcache_mp._core.phase import StreamJob, StreamOutcome
 from lmcache_mp._util.paths import remove_tree
 from lmcache_mp.errors import TerminatedWorkerError
-from lmcache_mp.executors._base import PhaseRun, physical_cores
+from lmcache_mp.executors._base import PhaseRun, Preload, physical_cores
 from lmcache_mp.executors._claims import Claims
 from lmcache_mp.executors._dispatch import JOIN_TIMEOUT, ShardExecutor
 from lmcache_mp.executors._worker import BLAS_ENV_VARS, initialize
@@ -103,7 +103,8 @@ class ProcessExecutor(ShardExecutor):
             number of streams of the first phase).
         mp_context: Start method: ``"spawn"`` (default: safe with threads,
             same on every OS), ``"forkserver"`` or ``"fork"``.
-        preload: Modules every worker imports once at start (with
+        preload: Modules every worker imports once at start, and
+            callables each calls then (with
             ``"forkserver"``, the server imports them once for all).
         blas_threads: BLAS/OpenMP threads per worker (default: cores //
             workers, so that workers x threads <= cores).
@@ -119,7 +120,7 @@ class ProcessExecutor(ShardExecutor):
         self,
         max_workers: int | None = None,
         mp_context: str = "spawn",
-        preload: Sequence[str] = (),
+        preload: Sequence[Preload] = (),
         blas_threads: int | None = None,
     ) -> None:
         super().__init__()
@@ -176,7 +177,11 @@ class ProcessExecutor(ShardExecutor):
             # import alone took ~20 ms per worker (issue #12: a later pool
             # starts in < 0.1 s). The server skips a module it cannot import.
             ctx.set_forkserver_preload(
-                ["lmcache_mp.executors._worker", "threadpoolctl", *self._preload]
+                [
+                    "lmcache_mp.executors._worker",
+                    "threadpoolctl",
+                    *(m for m in self._preload if isinstance(m, str)),
+                ]
             )
         pool = ProcessPoolExecutor(
             max_workers=n,

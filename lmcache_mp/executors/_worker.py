@@ -29,6 +29,7 @@ from lmcache_mp.errors import (
     LMCacheStreamError,
     TerminatedWorkerError,
 )
+from lmcache_mp.executors._base import Preload
 from lmcache_mp.executors._claims import Claims
 
 __all__ = ["BLAS_ENV_VARS", "ShardTask", "initialize", "run_job", "run_shard"]
@@ -77,7 +78,7 @@ _spec_lock = threading.Lock()
 _cached_spec: tuple[str, PhaseSpec] | None = None
 
 
-def initialize(blas_threads: int | None, preload: Sequence[str]) -> None:
+def initialize(blas_threads: int | None, preload: Sequence[Preload]) -> None:
     """Prepare a fresh worker process.
 
     Ctrl-C is left to the parent, which stops the pool itself (a worker
@@ -85,7 +86,9 @@ def initialize(blas_threads: int | None, preload: Sequence[str]) -> None:
 
     Args:
         blas_threads: Cap on BLAS/OpenMP threads, or ``None`` for no cap.
-        preload: Modules to import now rather than in every phase.
+        preload: Modules to import now rather than in every phase, and
+            callables to call now (e.g. an engine's ``load``, so that each
+            worker loads its model once, as it starts: issue #19).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
@@ -97,8 +100,11 @@ def initialize(blas_threads: int | None, preload: Sequence[str]) -> None:
         ).start()
     if blas_threads is not None:
         limit_blas_threads(blas_threads)
-    for name in preload:
-        importlib.import_module(name)
+    for item in preload:
+        if isinstance(item, str):
+            importlib.import_module(item)
+        else:
+            item()
 
 
 def _exit_with_parent(sentinel: int) -> None:
@@ -161,7 +167,12 @@ def run_job(spec: PhaseSpec, job: StreamJob, *, remote: bool) -> StreamOutcome:
         job.cache_salt,
         stream_id=job.stream_id,
         state=job.state,
-        others={kind: spec.contexts[index] for kind, index in job.others},
+        # Only the KV context may be absent (a 0.5.6 stream without one).
+        others={
+            kind: ctx
+            for kind, index in job.others
+            if (ctx := spec.contexts[index]) is not None
+        },
         kinds=job.kinds,
     )
     try:
