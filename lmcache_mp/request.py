@@ -53,7 +53,9 @@ class LMCacheRequestStream(StreamBase):
 
     Args:
         contexts: The stream's contexts; each has a ``.kind`` (one without
-            is KV) and one of them must be KV.
+            is KV). It may be empty, as upstream allows: such a stream only
+            generates, and a retrieve or modify of a kind it lacks fails
+            with :class:`~lmcache_mp.errors.CacheKindError` naming it.
         post_completion: Callable that submits a prompt to the engine.
         prompt_token_ids: Initial prompt token ids (non-empty, ints >= 0).
         cache_salt: Per-user isolation salt, or ``""``.
@@ -63,8 +65,8 @@ class LMCacheRequestStream(StreamBase):
     Raises:
         StreamInputError: If the prompt is empty or not token ids, or
             ``contexts`` is a single context rather than an iterable.
-        CacheKindError: If a context's kind is unknown, two share a kind,
-            or none is KV.
+        CacheKindError: If a context's kind is unknown, or two share a
+            kind.
     """
 
     def __init__(
@@ -87,7 +89,7 @@ class LMCacheRequestStream(StreamBase):
                 sid,
             )
         found = by_kind(contexts, sid)
-        kv = found.pop(LMCacheSDKCacheKind.KV)
+        kv = found.pop(LMCacheSDKCacheKind.KV, None)
         super().__init__(
             kv,
             post_completion,
@@ -191,7 +193,8 @@ def create_request(
     """Create an :class:`LMCacheRequestStream` for a new request (0.5.6).
 
     Args:
-        contexts: The stream's contexts, one per cache kind, one of them KV.
+        contexts: The stream's contexts, one per cache kind (may be empty:
+            a stream that only generates).
         post_completion: Callable that submits a prompt to the engine.
         prompt_token_ids: Initial prompt token ids.
         cache_salt: Per-user isolation salt, or ``""``.
@@ -201,7 +204,6 @@ def create_request(
 
     Raises:
         StreamInputError: If the prompt is empty or not token ids.
-        CacheKindError: If the contexts' kinds are unknown, repeated, or
-            lack KV.
+        CacheKindError: If the contexts' kinds are unknown or repeated.
     """
     return LMCacheRequestStream(contexts, post_completion, prompt_token_ids, cache_salt)

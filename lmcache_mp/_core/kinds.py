@@ -31,12 +31,13 @@ def by_kind(
         sid: The stream, named in errors.
 
     Returns:
-        ``{kind: context}``, with a KV context.
+        ``{kind: context}``; it may lack KV, or be empty: upstream 0.5.6
+        accepts a stream that only generates (issue #19), and only a
+        retrieve or modify of a missing kind fails.
 
     Raises:
-        CacheKindError: If a context's kind is unknown, two contexts have
-            one kind (upstream kept the last silently), or none is KV (a
-            modify stores KV, and a batch sizes its work by it).
+        CacheKindError: If a context's kind is unknown, or two contexts have
+            one kind (upstream kept the last silently).
     """
     found: dict[LMCacheSDKCacheKind, KVContext] = {}
     for ctx in contexts:
@@ -44,11 +45,6 @@ def by_kind(
         if kind in found:
             raise CacheKindError(f"stream {sid}: two contexts of kind {kind.name}", sid)
         found[kind] = ctx
-    if KV not in found:
-        kinds = ", ".join(k.name for k in found) or "none"
-        raise CacheKindError(
-            f"stream {sid}: no KV context among its contexts (kinds: {kinds})", sid
-        )
     return found
 
 

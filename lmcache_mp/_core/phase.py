@@ -46,7 +46,8 @@ class PhaseSpec:
 
     Args:
         kind: ``"generate"`` (prefill/decode) or ``"modify"``.
-        contexts: The KV contexts of the phase's streams.
+        contexts: The KV contexts of the phase's streams (``None`` for a
+            stream without one, which only generates).
         engines: The ``post_completion`` callables of the phase's streams.
         sampling_params: For ``generate``.
         fn: For ``modify``: the KV editor.
@@ -57,7 +58,7 @@ class PhaseSpec:
     """
 
     kind: PhaseKind
-    contexts: tuple[KVContext, ...]
+    contexts: tuple[KVContext | None, ...]
     engines: tuple[PostCompletion, ...]
     sampling_params: dict[str, Any] = field(default_factory=dict)
     fn: ModifyFn | None = None
@@ -137,11 +138,11 @@ def build_phase(
     Returns:
         The spec (each distinct context and engine once) and the jobs.
     """
-    contexts: dict[int, tuple[int, KVContext]] = {}
+    contexts: dict[int, tuple[int, KVContext | None]] = {}
     engines: dict[int, tuple[int, PostCompletion]] = {}
     jobs = []
 
-    def index(ctx: KVContext) -> int:
+    def index(ctx: KVContext | None) -> int:
         return contexts.setdefault(id(ctx), (len(contexts), ctx))[0]
 
     for s in streams:

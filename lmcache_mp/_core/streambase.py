@@ -57,7 +57,8 @@ class StreamBase:
     the KV context and the phases every public stream class shares.
 
     Args:
-        ctx: The KV context used for retrieve/store.
+        ctx: The KV context used for retrieve/store; ``None`` for a
+            0.5.6 stream without one, which only generates.
         post_completion: Callable that submits a prompt to the engine.
         prompt_token_ids: Initial prompt token ids (non-empty, ints >= 0).
         cache_salt: Per-user isolation salt, or ``""``.
@@ -74,7 +75,7 @@ class StreamBase:
 
     def __init__(
         self,
-        ctx: KVContext,
+        ctx: KVContext | None,
         post_completion: PostCompletion,
         prompt_token_ids: Sequence[int],
         cache_salt: str = "",
@@ -227,13 +228,14 @@ class StreamBase:
     @property
     def contexts(self) -> dict[LMCacheSDKCacheKind, KVContext]:
         """The stream's contexts by cache kind (``KV`` is :attr:`ctx`)."""
-        return {KV: self.ctx, **self._others}
+        own = {} if self.ctx is None else {KV: self.ctx}
+        return {**own, **self._others}
 
     def _context(self, kind: LMCacheSDKCacheKind) -> KVContext:
         """The context of ``kind``, or a :class:`CacheKindError`."""
         ctx = self.ctx if kind is KV else self._others.get(kind)
         if ctx is None:
-            have = ", ".join(k.name for k in self.contexts)
+            have = ", ".join(k.name for k in self.contexts) or "none"
             raise CacheKindError(
                 f"stream {self._stream_id}: no {kind.name} context (it has: {have})",
                 self._stream_id,
