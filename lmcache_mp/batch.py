@@ -27,7 +27,7 @@ from lmcache_mp._core.streambase import StreamBase
 from lmcache_mp._core.validate import select_streams
 from lmcache_mp._util.arrays import check_array_type
 from lmcache_mp.errors import LMCacheBatchedStreamError
-from lmcache_mp.executors import PhaseExecutor, PhaseRun
+from lmcache_mp.executors import PhaseExecutor, PhaseRun, Preload
 from lmcache_mp.executors._factory import make_executor
 from lmcache_mp.metrics import Metrics, get_formatter
 from lmcache_mp.stream import (
@@ -59,11 +59,16 @@ class LMCacheBatchedStream(UpstreamNames):
             default: one per stream).
         mp_context: Start method for ``"process"``: ``"spawn"`` (default),
             ``"forkserver"`` or ``"fork"``.
-        preload: Modules each worker imports once at start (``"process"``).
+        preload: Modules each worker imports once at start, and
+            callables each calls then (``"process"``), e.g. an
+            :class:`~lmcache_mp.engine.HFEngine`'s ``load`` so that every
+            worker loads the model as it starts, once.
         blas_threads: BLAS threads per worker (default: cores // workers).
         max_in_flight: Streams whose KV may be in memory at once during a
             modify (default: as many as fit in half the available memory).
-        timeout: Default phase timeout in seconds (``None``: no limit).
+        phase_timeout: Default time limit of a phase in seconds
+            (``None``: no limit). ``timeout`` is upstream's name for how
+            long a modify waits for each stream's KV (issue #19).
         array: What modify fns are handed: ``"numpy"`` arrays or
             ``"torch"`` CPU tensors sharing their memory, so that torch fns
             run unchanged (issue #11); a fn may return either. Default:
@@ -94,10 +99,10 @@ class LMCacheBatchedStream(UpstreamNames):
         *,
         max_workers: int | None = None,
         mp_context: str = "spawn",
-        preload: Sequence[str] = (),
+        preload: Sequence[Preload] = (),
         blas_threads: int | None = None,
         max_in_flight: int | None = None,
-        timeout: float | None = None,
+        phase_timeout: float | None = None,
         array: str | None = None,
     ) -> None:
         if array is not None:
@@ -110,7 +115,7 @@ class LMCacheBatchedStream(UpstreamNames):
             executor, max_workers, mp_context, preload, blas_threads
         )
         self._max_in_flight = max_in_flight
-        self._timeout = timeout
+        self._phase_timeout = phase_timeout
         self._last_run: PhaseRun | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -163,7 +168,7 @@ class LMCacheBatchedStream(UpstreamNames):
     # -- running a phase ---------------------------------------------------------
 
     def _run(
-        self, ids: list[str], timeout: float | None, **spec_args: Any
+        self, ids: list[str], phase_timeout: float | None, **spec_args: Any
     ) -> tuple[float, dict[str, BaseException]]:
         """Run a phase over ``ids``; commit the successes; return failures."""
         spec, jobs = build_phase([self.streams[sid] for sid in ids], **spec_args)
@@ -174,7 +179,7 @@ class LMCacheBatchedStream(UpstreamNames):
             run = self._executor.run(
                 spec,
                 jobs,
-                timeout=self._timeout if timeout is None else timeout,
+                timeout=self._phase_timeout if phase_timeout is None else phase_timeout,
                 max_in_flight=max_in_flight,
             )
             duration = time.perf_counter() - start
@@ -208,7 +213,7 @@ class LMCacheBatchedStream(UpstreamNames):
         sampling_params: dict[str, Any],
         stream_ids: list[str] | None = None,
         *,
-        timeout: float | None = None,
+        phase_timeout: float | None = None,
     ) -> float:
         """Run ``generate(sampling_params)`` on every selected stream at once.
 
@@ -219,7 +224,8 @@ class LMCacheBatchedStream(UpstreamNames):
         Args:
             sampling_params: Engine sampling params for every stream.
             stream_ids: Streams to run; ``None`` means all.
-            timeout: Phase timeout in seconds (default: the batch's).
+            phase_timeout: Time limit of the phase in seconds (default:
+                the batch's).
 
         Returns:
             Wall-clock duration in seconds (0.0 when nothing was selected).
@@ -229,7 +235,9 @@ class LMCacheBatchedStream(UpstreamNames):
                 streams failed (the others committed; ``.failures`` maps
                 each failed id to its exception).
         """
-        duration, _ = self._generate("decode", sampling_params, stream_ids, timeout)
+        duration, _ = self._generate(
+            "decode", sampling_params, stream_ids, phase_timeout
+        )
         return duration
 
     def _generate(
@@ -237,7 +245,7 @@ class LMCacheBatchedStream(UpstreamNames):
         mode: str,
         sampling_params: dict[str, Any],
         stream_ids: list[str] | None,
-        timeout: float | None,
+        phase_timeout: float | None,
         fmt: str = "terminal",
         width: int = 80,
     ) -> tuple[float, Metrics]:
@@ -247,7 +255,10 @@ class LMCacheBatchedStream(UpstreamNames):
         if not ids:
             return 0.0, self.get_perf_metrics(0.0, fmt, width, mode, ids)
         duration, failures = self._run(
-            ids, timeout, kind="generate", sampling_params=dict(sampling_params)
+            ids,
+            phase_timeout,
+            kind="generate",
+            sampling_params=dict(sampling_params),
         )
         metrics = self.get_perf_metrics(duration, fmt, width, mode, ids)
         raise_failures(mode, ids, failures, metrics)
@@ -268,9 +279,10 @@ class LMCacheBatchedStream(UpstreamNames):
             fn: ``fn(kv, tokens) -> (new_kv, new_tokens[, info])``.
             stream_ids: Streams to modify; ``None`` means all.
             timeout: Seconds each stream waits for its cached KV (upstream's
-                meaning of ``timeout`` here).
+                meaning of ``timeout``, here and in :meth:`modify`).
             poll_interval: Seconds between retrieve attempts.
-            phase_timeout: Phase timeout in seconds (default: the batch's).
+            phase_timeout: Time limit of the phase in seconds (default:
+                the batch's).
 
         Returns:
             Wall-clock duration in seconds (0.0 when nothing was selected).
@@ -290,9 +302,9 @@ class LMCacheBatchedStream(UpstreamNames):
         self,
         fn: ModifyFn,
         stream_ids: list[str] | None,
-        retrieve_timeout: float,
+        timeout: float,
         poll_interval: float,
-        timeout: float | None,
+        phase_timeout: float | None,
         fmt: str = "terminal",
         width: int = 80,
         array: str | None = None,
@@ -306,10 +318,10 @@ class LMCacheBatchedStream(UpstreamNames):
         if ids:
             duration, failures = self._run(
                 ids,
-                timeout,
+                phase_timeout,
                 kind="modify",
                 fn=fn,
-                retrieve_timeout=retrieve_timeout,
+                retrieve_timeout=timeout,
                 poll_interval=poll_interval,
                 array=self._array if array is None else array,
             )
@@ -381,7 +393,7 @@ class LMCacheBatchedStream(UpstreamNames):
         width: int = 80,
         stream_ids: list[str] | None = None,
         *,
-        timeout: float | None = None,
+        phase_timeout: float | None = None,
     ) -> Metrics:
         """Prefill every selected stream once (``max_tokens`` forced to 1).
 
@@ -390,7 +402,8 @@ class LMCacheBatchedStream(UpstreamNames):
             fmt: Formatter for ``emit()``.
             width: Width for the terminal formatter.
             stream_ids: Streams to run; ``None`` means all.
-            timeout: Phase timeout in seconds (default: the batch's).
+            phase_timeout: Time limit of the phase in seconds (default:
+                the batch's).
 
         Returns:
             The prefill report (input tokens and throughput, TTFT).
@@ -400,7 +413,9 @@ class LMCacheBatchedStream(UpstreamNames):
                 ``.metrics`` holds the report of the streams that succeeded.
         """
         params = {**sampling_params, "max_tokens": 1}
-        return self._generate("prefill", params, stream_ids, timeout, fmt, width)[1]
+        return self._generate("prefill", params, stream_ids, phase_timeout, fmt, width)[
+            1
+        ]
 
     def modify(
         self,
@@ -409,9 +424,9 @@ class LMCacheBatchedStream(UpstreamNames):
         width: int = 80,
         stream_ids: list[str] | None = None,
         *,
-        timeout: float | None = None,
-        retrieve_timeout: float = 30.0,
+        timeout: float = 30.0,
         poll_interval: float = 0.2,
+        phase_timeout: float | None = None,
         array: str | None = None,
     ) -> Metrics:
         """Apply a KV edit to every selected stream and report it.
@@ -422,9 +437,12 @@ class LMCacheBatchedStream(UpstreamNames):
             fmt: Formatter for ``emit()``.
             width: Width for the terminal formatter.
             stream_ids: Streams to modify; ``None`` means all.
-            timeout: Phase timeout in seconds (default: the batch's).
-            retrieve_timeout: Seconds each stream waits for its cached KV.
+            timeout: Seconds each stream waits for its cached KV, as in
+                upstream 0.5.6's ``modify`` and every ``modify_*`` (issue
+                #19).
             poll_interval: Seconds between retrieve attempts.
+            phase_timeout: Time limit of the phase in seconds (default:
+                the batch's).
             array: What the fn is handed for this phase, ``"numpy"`` or
                 ``"torch"`` (default: the batch's).
 
@@ -441,9 +459,9 @@ class LMCacheBatchedStream(UpstreamNames):
         return self._modify(
             fn,
             stream_ids,
-            retrieve_timeout,
-            poll_interval,
             timeout,
+            poll_interval,
+            phase_timeout,
             fmt,
             width,
             array,
@@ -456,7 +474,7 @@ class LMCacheBatchedStream(UpstreamNames):
         width: int = 80,
         stream_ids: list[str] | None = None,
         *,
-        timeout: float | None = None,
+        phase_timeout: float | None = None,
     ) -> Metrics:
         """Decode every selected stream and report it.
 
@@ -465,7 +483,8 @@ class LMCacheBatchedStream(UpstreamNames):
             fmt: Formatter for ``emit()``.
             width: Width for the terminal formatter.
             stream_ids: Streams to run; ``None`` means all.
-            timeout: Phase timeout in seconds (default: the batch's).
+            phase_timeout: Time limit of the phase in seconds (default:
+                the batch's).
 
         Returns:
             The decode report (output tokens and throughput, TTFT, TPOT,
@@ -475,7 +494,7 @@ class LMCacheBatchedStream(UpstreamNames):
             LMCacheBatchedStreamError: As :meth:`run_streams`.
         """
         return self._generate(
-            "decode", sampling_params, stream_ids, timeout, fmt, width
+            "decode", sampling_params, stream_ids, phase_timeout, fmt, width
         )[1]
 
     # -- lifecycle -----------------------------------------------------------------

@@ -429,9 +429,9 @@ def test_a_barrage_of_bad_input_leaves_the_pool_and_the_store_whole(
 
         _barrage(batch=batch, store=store, pids=pids)
 
-        batch.prefill({}, timeout=WAIT_S)
-        batch.modify(keep_first_chunk, timeout=WAIT_S)
-        batch.decode({"max_tokens": 3}, timeout=WAIT_S)
+        batch.prefill({}, phase_timeout=WAIT_S)
+        batch.modify(keep_first_chunk, phase_timeout=WAIT_S)
+        batch.decode({"max_tokens": 3}, phase_timeout=WAIT_S)
         assert executor.pids() == pids
         got = [s.state for s in batch.streams.values()]
 

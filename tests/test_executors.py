@@ -64,7 +64,7 @@ def test_thread_timeout_fails_the_slow_stream_and_discards_its_late_result() -> 
     slow = next(sid for sid, s in batch.streams.items() if s.tokens[0] == 0)
     before = batch.streams[slow].state.copy()
     with pytest.raises(LMCacheBatchedStreamError) as info:
-        batch.modify(slow_first, timeout=0.3)
+        batch.modify(slow_first, phase_timeout=0.3)
     assert list(info.value.failures) == [slow]
     assert isinstance(info.value.failures[slow], PhaseTimeoutError)
     time.sleep(1.5)
@@ -75,7 +75,7 @@ def test_serial_timeout_fails_the_streams_not_started() -> None:
     """The serial executor checks the timeout between streams."""
     batch = _filled("serial", InMemoryKV(4))
     with pytest.raises(LMCacheBatchedStreamError) as info:
-        batch.modify(slow_first, timeout=0.3)
+        batch.modify(slow_first, phase_timeout=0.3)
     assert len(info.value.failures) == 2
     assert all(isinstance(e, PhaseTimeoutError) for e in info.value.failures.values())
 

@@ -178,7 +178,7 @@ def _two_prefilled_streams(batch: lmc_batch.LMCacheBatchedStream, ctx: Any) -> s
     engine = FakeEngine(ctx)
     for start in (0, 100):
         batch.add(lmc_stream.create_request(ctx, engine, list(range(start, start + 8))))
-    batch.prefill({}, timeout=WAIT_S)
+    batch.prefill({}, phase_timeout=WAIT_S)
     return next(sid for sid, s in batch.streams.items() if s.tokens[0] == 0)
 
 
@@ -239,7 +239,7 @@ def _kill_rounds(store: SharedMemoryKVStore, rounds: int, seed: int) -> Tally:
             killer.start()
             error = None
             try:
-                batch.modify(double_and_shift, timeout=WAIT_S)
+                batch.modify(double_and_shift, phase_timeout=WAIT_S)
             except LMCacheBatchedStreamError as exc:
                 error = exc
             finally:
@@ -256,9 +256,9 @@ def _kill_rounds(store: SharedMemoryKVStore, rounds: int, seed: int) -> Tally:
                 )
         # After the last kill, a quiet round commits every stream and the
         # pool decodes.
-        batch.modify(double_and_shift, timeout=WAIT_S)
+        batch.modify(double_and_shift, phase_timeout=WAIT_S)
         assert not _check_round(batch, store, prefilled, edits, None, None)
-        batch.decode({"max_tokens": 2}, timeout=WAIT_S)
+        batch.decode({"max_tokens": 2}, phase_timeout=WAIT_S)
         assert all(s.decoded_tokens() == 3 for s in batch.streams.values())
     print(tally.line())
     return tally
@@ -328,7 +328,7 @@ def test_killing_an_idle_worker_fails_no_stream(
 
         killer = threading.Thread(target=kill_the_idle_worker, daemon=True)
         killer.start()
-        batch.modify(fn, timeout=WAIT_S)
+        batch.modify(fn, phase_timeout=WAIT_S)
         killer.join(timeout=WAIT_S)
         assert killed, "the idle worker was not killed"
         assert all(s.tokens[0] in (1, 101) for s in batch.streams.values())
@@ -360,7 +360,7 @@ def test_a_broken_pool_is_freed_without_waiting_for_the_garbage_collector(
         with _spawn_batch() as batch:
             _two_prefilled_streams(batch, store)
             with pytest.raises(LMCacheBatchedStreamError):
-                batch.modify(die_on_stream_zero, timeout=WAIT_S)
+                batch.modify(die_on_stream_zero, phase_timeout=WAIT_S)
         left = _pools() - before
     finally:
         gc.enable()
@@ -443,7 +443,7 @@ def test_a_worker_killed_after_an_in_place_edit_landed_keeps_the_old_kv(
         kv_before = store.retrieve(before.tokens)
         ctx.armed = True
         with pytest.raises(LMCacheBatchedStreamError) as info:
-            batch.modify(edit, stream_ids=[target], timeout=WAIT_S)
+            batch.modify(edit, stream_ids=[target], phase_timeout=WAIT_S)
         assert list(info.value.failures) == [target]
         assert isinstance(info.value.failures[target], TerminatedWorkerError)
         assert batch.streams[target].state == before

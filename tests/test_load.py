@@ -73,9 +73,9 @@ def _run_phases(
     streams = [lmc_stream.create_request(store, engine, p) for p in prompts]
     for stream in streams:
         batch.add(stream)
-    batch.prefill({}, timeout=WAIT_S)
-    batch.modify(drop_odd_positions, timeout=WAIT_S)
-    batch.decode({"max_tokens": 4}, timeout=WAIT_S)
+    batch.prefill({}, phase_timeout=WAIT_S)
+    batch.modify(drop_odd_positions, phase_timeout=WAIT_S)
+    batch.decode({"max_tokens": 4}, phase_timeout=WAIT_S)
     return [s.state for s in streams]
 
 

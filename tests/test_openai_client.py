@@ -414,7 +414,7 @@ def test_batch_over_http_reuses_the_edited_kv() -> None:
             engine = post_completion(srv.url, srv.model_name, timeout=60)
             prompts = [[1 + (7 * i + 3 * s) % 500 for i in range(96)] for s in range(4)]
             with lmc_batch.LMCacheBatchedStream(
-                "process", max_workers=2, mp_context="spawn", timeout=120
+                "process", max_workers=2, mp_context="spawn", phase_timeout=120
             ) as batch:
                 for toks in prompts:
                     batch.add(lmc_stream.create_request(ctx, engine, toks))

@@ -81,7 +81,7 @@ def test_every_request_is_in_flight_at_once_whatever_the_worker_count(
             batch.add(
                 lmc_stream.create_request(store, engine, [i, i + 1, i + 2, i + 3])
             )
-        batch.prefill({}, timeout=60)
+        batch.prefill({}, phase_timeout=60)
         assert all(s.decoded_tokens() == 1 for s in batch.streams.values())
 
 
@@ -182,7 +182,7 @@ def test_a_phase_timeout_fails_unfinished_streams_and_stops_their_workers(
         before = batch.streams[slow[0]].state.copy()
         start = time.monotonic()
         with pytest.raises(LMCacheBatchedStreamError) as info:
-            batch.modify(slow_for_stream_two, timeout=5)
+            batch.modify(slow_for_stream_two, phase_timeout=5)
         assert time.monotonic() - start < 30
         assert slow[0] in info.value.failures
         assert isinstance(info.value.failures[slow[0]], PhaseTimeoutError)

@@ -6,6 +6,8 @@ one context per cache kind, fns taking ``{kind: tensor}``, the batch's
 from __future__ import annotations
 
 import enum
+import inspect
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -203,13 +205,12 @@ class _OddKindContext:
             lambda kv, q: [kv, _OddKindContext()], "not a cache kind", id="unknown"
         ),
         pytest.param(lambda kv, q: [kv, kv], "two contexts of kind KV", id="repeated"),
-        pytest.param(lambda kv, q: [q], "no KV context", id="no KV"),
     ],
 )
 def test_bad_contexts_fail_at_create_request(
     contexts: Any, match: str, kinds_store: tuple[Any, Any]
 ) -> None:
-    """An unknown kind, a repeated kind or a missing KV context fail create_request with CacheKindError."""
+    """An unknown kind or a repeated kind fail create_request with CacheKindError."""
     kv_ctx, q_ctx = kinds_store
     with pytest.raises(CacheKindError, match=match):
         lmc_request.create_request(contexts(kv_ctx, q_ctx), FakeEngine(kv_ctx), PROMPT)
@@ -410,3 +411,130 @@ def test_without_torch_a_kinds_fn_gets_numpy(
 
     stream.modify_kv(record)
     assert types == [np.ndarray, np.ndarray]
+
+
+@pytest.mark.parametrize(
+    ("executor", "opts"),
+    [
+        pytest.param("thread", {}, id="thread"),
+        pytest.param("process", {"mp_context": "spawn"}, id="spawn"),
+        pytest.param("process", {"mp_context": "forkserver"}, id="forkserver"),
+    ],
+)
+def test_a_stream_without_contexts_only_generates(
+    executor: str, opts: dict[str, Any], kinds_store: tuple[Any, Any]
+) -> None:
+    """LMCacheRequestStream(contexts=[]) is valid, as upstream: it prefills and decodes on any executor (issue #19)."""
+    kv_ctx, _ = kinds_store
+    stream = lmc_request.LMCacheRequestStream(
+        contexts=[], post_completion=FakeEngine(kv_ctx), prompt_token_ids=PROMPT
+    )
+    assert stream.contexts == {}
+    with lmc_batch.LMCacheBatchedStream(executor, max_workers=1, **opts) as batch:
+        batch.add(stream)
+        batch.prefill({})
+        batch.decode({"max_tokens": 3})
+    # One token from the prefill, three from the decode.
+    assert len(stream.output_tokens) == 4
+    assert len(stream.tokens) == len(PROMPT) + 4
+
+
+def _drop_first_chunk_by_query(
+    tensors: Mapping[Any, Any], tokens: list[int]
+) -> tuple[Any, list[int]]:
+    """A 0.5.6-style fn that reads the queries too (as SnapKV's)."""
+    assert tensors[LMCacheSDKCacheKind.QUERY].shape[2] == len(tokens)
+    return _drop_first_chunk(tensors, tokens)
+
+
+@pytest.mark.parametrize(
+    ("contexts", "error", "match"),
+    [
+        pytest.param(lambda kv, q: [], CacheKindError, "no KV context", id="none"),
+        pytest.param(lambda kv, q: [q], CacheKindError, "no KV context", id="QUERY"),
+        pytest.param(
+            lambda kv, q: [kv], LMCacheStreamError, "no .*QUERY.* tensor", id="KV"
+        ),
+    ],
+)
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_a_modify_needing_a_missing_kind_fails_only_that_stream(
+    contexts: Any,
+    error: type[Exception],
+    match: str,
+    executor: str,
+    kinds_store: tuple[Any, Any],
+) -> None:
+    """A modify of a stream lacking a kind its fn needs fails it with a typed error naming it; the others commit (issue #19)."""
+    kv_ctx, q_ctx = kinds_store
+    with lmc_batch.LMCacheBatchedStream(executor, max_workers=2) as batch:
+        good = lmc_request.create_request(
+            [kv_ctx, q_ctx], QueryFakeEngine(kv_ctx, q_ctx), PROMPT
+        )
+        lacking = lmc_request.create_request(
+            contexts(kv_ctx, q_ctx),
+            QueryFakeEngine(kv_ctx, q_ctx),
+            [40 + t for t in PROMPT],
+        )
+        batch.add(good)
+        batch.add(lacking)
+        batch.prefill({})
+        before = lacking.state.copy()
+        with pytest.raises(LMCacheBatchedStreamError) as info:
+            batch.modify(_drop_first_chunk_by_query, timeout=5)
+    sid = lacking.request_stream_id
+    assert list(info.value.failures) == [sid]
+    failure = info.value.failures[sid]
+    assert isinstance(failure, error)
+    assert f"stream {sid}" in str(failure)
+    assert re.search(match, str(failure))
+    assert lacking.state == before
+    assert good.tokens == PROMPT[4:8]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda b, fn: b.modify(fn, timeout=0.3), id="modify"),
+        pytest.param(lambda b, fn: b.modify_stream(fn, None, 0.3), id="modify_stream"),
+        pytest.param(
+            lambda b, fn: b.modify_request_streams(fn, timeout=0.3),
+            id="modify_request_streams",
+        ),
+    ],
+)
+def test_timeout_is_how_long_a_modify_waits_for_the_kv(
+    call: Any, kinds_store: tuple[Any, Any]
+) -> None:
+    """timeout= of every modify call is upstream's: the wait for each stream's KV, not the phase's limit (issue #19)."""
+    kv_ctx, q_ctx = kinds_store
+    with lmc_batch.LMCacheBatchedStream("thread") as batch:
+        never_prefilled = lmc_request.create_request(
+            [kv_ctx, q_ctx], FakeEngine(kv_ctx), PROMPT
+        )
+        batch.add(never_prefilled)
+        with pytest.raises(LMCacheBatchedStreamError) as info:
+            call(batch, _drop_first_chunk)
+    error = info.value.failures[never_prefilled.request_stream_id]
+    assert "no cached KV" in str(error)
+    assert "after 0.3s" in str(error)
+
+
+def test_the_batch_takes_upstreams_phase_arguments_by_their_names() -> None:
+    """Every parameter of upstream 0.5.6's batch phases exists here with its default, timeout included (issue #19)."""
+    from lmcache.sdk.batch import LMCacheBatchedStream as Upstream
+
+    for name in (
+        "prefill",
+        "modify",
+        "decode",
+        "run_request_streams",
+        "modify_request_streams",
+    ):
+        ours = inspect.signature(getattr(lmc_batch.LMCacheBatchedStream, name))
+        for param in inspect.signature(getattr(Upstream, name)).parameters.values():
+            assert param.name in ours.parameters, (name, param.name)
+            assert ours.parameters[param.name].default == param.default, (
+                name,
+                param.name,
+            )

@@ -183,7 +183,7 @@ def _modify_losing_a_host(
             killer.start()
             fn = partial(sleepy_window, signals=signals, where=where)
             with pytest.raises(LMCacheBatchedStreamError) as info:
-                batch.modify(fn, timeout=120)
+                batch.modify(fn, phase_timeout=120)
             killer.join(60)
             lost = {
                 sid
@@ -259,7 +259,7 @@ def test_a_dead_ray_worker_fails_only_its_stream(ray_hosts: RayHosts) -> None:
             marked = next(s for s, st in batch.streams.items() if st.tokens[0] == 1)
             before = batch.streams[marked].state.copy()
             with pytest.raises(LMCacheBatchedStreamError) as info:
-                batch.modify(crash_on_marked, timeout=120)
+                batch.modify(crash_on_marked, phase_timeout=120)
             assert list(info.value.failures) == [marked]
             error = info.value.failures[marked]
             assert isinstance(error, TerminatedWorkerError) and "ray worker" in str(

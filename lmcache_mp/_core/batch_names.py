@@ -28,7 +28,7 @@ class _Batch(Protocol):
         sampling_params: dict[str, Any],
         stream_ids: list[str] | None = ...,
         *,
-        timeout: float | None = ...,
+        phase_timeout: float | None = ...,
     ) -> float: ...
 
     def modify_stream(
@@ -63,7 +63,7 @@ class UpstreamNames:
         sampling_params: dict[str, Any],
         stream_ids: list[str] | None = None,
         *,
-        timeout: float | None = None,
+        phase_timeout: float | None = None,
     ) -> float:
         """Run ``generate(sampling_params)`` on every selected stream at once
         (``run_streams``).
@@ -75,7 +75,9 @@ class UpstreamNames:
             LMCacheBatchedStreamError: For an unknown stream id, or when
                 streams failed (the others committed).
         """
-        return self.run_streams(sampling_params, stream_ids, timeout=timeout)
+        return self.run_streams(
+            sampling_params, stream_ids, phase_timeout=phase_timeout
+        )
 
     def modify_request_streams(
         self: _Batch,
