@@ -29,6 +29,7 @@ __all__ = [
     "LMCacheError",
     "LMCachePicklingError",
     "LMCacheStreamError",
+    "ModelLoadError",
     "PhaseTimeoutError",
     "RemoteTraceback",
     "SamplingParamsError",
@@ -235,6 +236,13 @@ class KVStoreAuthError(KVStoreConnectionError, KVStoreSecurityError):
 class KVConfigError(LMCacheError, ValueError):
     """Raised for a bad store URL or scheme, an unsupported dtype, or a KV
     whose layout (layers, width, dtype) does not match the store's."""
+
+
+class ModelLoadError(LMCacheError, OSError):
+    """Raised by ``HFEngine.from_pretrained`` when a model cannot be found or
+    loaded: an alias whose package is not installed (the message gives the
+    install command), a path that holds no model, or files ``transformers``
+    cannot read."""
 
 
 class CorruptChunkWarning(RuntimeWarning):

@@ -1,7 +1,11 @@
-"""post_completion engines: the embedded toy transformer and an OpenAI client."""
+"""post_completion engines: the embedded toy transformer, a trained model
+through Hugging Face ``transformers`` (:class:`HFEngine`), and an OpenAI
+client."""
 
 from lmcache_mp.engine._config import EngineConfig
 from lmcache_mp.engine._embedded import EmbeddedEngine
+from lmcache_mp.engine._hf import HFEngine
+from lmcache_mp.engine._hf_load import ModelSource
 from lmcache_mp.engine._stats import EngineStats
 from lmcache_mp.engine._vocab import ToyVocab
 from lmcache_mp.engine.http.openai import OpenAICompletions, post_completion
@@ -10,6 +14,8 @@ __all__ = [
     "EmbeddedEngine",
     "EngineConfig",
     "EngineStats",
+    "HFEngine",
+    "ModelSource",
     "OpenAICompletions",
     "ToyVocab",
     "post_completion",

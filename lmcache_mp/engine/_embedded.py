@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -15,7 +14,7 @@ from lmcache_mp.engine._model import KVSequence
 from lmcache_mp.engine._prompt import check_prompt
 from lmcache_mp.engine._queries import check_query_ctx, record_queries
 from lmcache_mp.engine._sampling import Sampler, SamplingParams
-from lmcache_mp.engine._stats import EngineStats
+from lmcache_mp.engine._stats import EngineStats, StatsCounter
 from lmcache_mp.engine._vocab import ToyVocab
 from lmcache_mp.hints import gil_bound
 from lmcache_mp.kv import KVContext
@@ -25,7 +24,7 @@ __all__ = ["EmbeddedEngine"]
 
 
 @gil_bound
-class EmbeddedEngine:
+class EmbeddedEngine(StatsCounter):
     """A small deterministic transformer, used like vLLM with LMCache.
 
     Each call looks up the longest cached prefix of the prompt in ``ctx``,
@@ -77,13 +76,12 @@ class EmbeddedEngine:
         *,
         query_ctx: KVContext | None = None,
     ) -> None:
+        super().__init__()
         check_query_ctx(query_ctx)
         self._ctx = ctx
         self._query_ctx = query_ctx
         self._config = config if config is not None else EngineConfig()
         self._vocab = ToyVocab(self._config.vocab_size, self._config.eos_token_id)
-        self._stats = EngineStats()
-        self._lock = threading.Lock()
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self._query_ctx is None:
@@ -144,20 +142,6 @@ class EmbeddedEngine:
             StreamInputError: If an id is not in the vocabulary.
         """
         return self._vocab.detokenize(token_ids)
-
-    def stats(self) -> EngineStats:
-        """Return the totals of every call so far (thread-safe).
-
-        Returns:
-            A snapshot of the counters.
-        """
-        with self._lock:
-            return self._stats
-
-    def _count(self, delta: EngineStats) -> None:
-        """Add ``delta`` to the totals."""
-        with self._lock:
-            self._stats = self._stats + delta
 
     def __call__(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,17 +108,19 @@ class SamplingParams:
             stop_token_ids=frozenset(int(t) for t in stops),
         )
 
-    def stops_at(self, token_id: int, eos_token_id: int) -> bool:
+    def stops_at(self, token_id: int, eos_token_id: int | AbstractSet[int]) -> bool:
         """Whether generating ``token_id`` ends the request (unyielded).
 
         Args:
             token_id: The sampled token.
-            eos_token_id: The model's EOS id.
+            eos_token_id: The model's EOS id, or its set of them (a trained
+                model's generation config may name several).
 
         Returns:
             True for EOS (unless ``ignore_eos``) and for a stop token id.
         """
-        if token_id == eos_token_id and not self.ignore_eos:
+        eos = {eos_token_id} if isinstance(eos_token_id, int) else eos_token_id
+        if token_id in eos and not self.ignore_eos:
             return True
         return token_id in self.stop_token_ids
 

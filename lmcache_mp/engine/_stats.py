@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, fields
 
-__all__ = ["EngineStats"]
+__all__ = ["EngineStats", "StatsCounter"]
 
 
 @dataclass(frozen=True)
@@ -31,3 +32,28 @@ class EngineStats:
         return EngineStats(
             *(getattr(self, f.name) + getattr(other, f.name) for f in fields(self))
         )
+
+
+class StatsCounter:
+    """The thread-safe :class:`EngineStats` totals an engine keeps (a base).
+
+    The totals are per process: an unpickled copy of an engine starts at 0.
+    """
+
+    def __init__(self) -> None:
+        self._stats = EngineStats()
+        self._stats_lock = threading.Lock()
+
+    def stats(self) -> EngineStats:
+        """Return the totals of every call so far (thread-safe).
+
+        Returns:
+            A snapshot of the counters.
+        """
+        with self._stats_lock:
+            return self._stats
+
+    def _count(self, delta: EngineStats) -> None:
+        """Add ``delta`` to the totals."""
+        with self._stats_lock:
+            self._stats = self._stats + delta
