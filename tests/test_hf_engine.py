@@ -310,3 +310,163 @@ def test_the_pool_gives_the_threads_tokens(
         assert outputs[0] == outputs[1]
     finally:
         ctx.destroy()
+
+
+def test_score_is_the_models_log_probabilities_of_the_continuation(
+    model_engine: HFEngine, stores: tuple[KVStore, KVStore]
+) -> None:
+    """score() returns log-softmax rows equal to a plain forward over prompt + continuation, reusing the cached prefix; its top-1 is the greedy decode."""
+    engine = engine_over(model_engine, stores[0])
+    prompt = engine.encode(TEXT, chat=False)
+    ids, _, _ = run(engine, prompt)  # also caches the prompt's full chunks
+    scored = engine.score(prompt, ids)
+    assert scored.shape == (len(ids), engine.model.config.vocab_size)
+    assert scored.argmax(axis=1).tolist() == ids
+    with torch.inference_mode():
+        logits = engine.model(torch.tensor([prompt + ids])).logits[0].float()
+    plain = logits.log_softmax(dim=-1)[len(prompt) - 1 : -1].numpy()
+    np.testing.assert_allclose(scored, plain, atol=2e-3)
+
+
+def test_a_key_rerotated_to_another_position_is_its_key_there(
+    model_engine: HFEngine, stores: tuple[KVStore, KVStore]
+) -> None:
+    """Layer 0: a token's stored key at position t, rerotated to t' with engine.attention, equals the key the engine stores for it at t'."""
+    from lmcache_mp.edits import rerotate_keys
+
+    kv_ctx, _ = stores
+    engine = engine_over(model_engine, kv_ctx)
+    token = engine.encode(" harbour", chat=False)[0]
+    at_5 = [*range(200, 205), token, *range(300, 300 + 2 * CHUNK - 6)]
+    at_20 = [*range(400, 420), token, *range(500, 500 + 2 * CHUNK - 21)]
+    for prompt in (at_5, at_20):
+        run(engine, prompt, {"max_tokens": 1})
+    kv_5, kv_20 = kv_ctx.retrieve(at_5), kv_ctx.retrieve(at_20)
+    assert kv_5 is not None and kv_20 is not None
+    moved = rerotate_keys(kv_5[:, :, [5]], [5], [20], engine.attention)
+    np.testing.assert_allclose(moved[0, 0, 0], kv_20[0, 0, 20], rtol=1e-4, atol=1e-4)
+    assert not np.allclose(kv_5[0, 0, 5], kv_20[0, 0, 20], atol=1e-2)
+
+
+DOCUMENTS = (
+    "The lighthouse keeper, Marta, kept a logbook for forty years. Every "
+    "evening she wrote down the weather, the ships that passed and the birds "
+    "that rested on the rail. In the winter of the great storm she counted "
+    "eleven ships seeking shelter in the bay, and she kept the lamp burning "
+    "for three nights without sleep.",
+    "Bread is made from flour, water, salt and yeast. The yeast eats the "
+    "sugars in the flour and releases gas, which makes the dough rise. A "
+    "baker kneads the dough to build gluten, lets it rest, shapes it and "
+    "bakes it in a hot oven, where the crust browns.",
+    "The small village of Arden sits between two rivers. Its market opens on "
+    "Tuesdays and Saturdays, and farmers bring cheese, apples and honey from "
+    "the hills. The old stone bridge was built in 1742 and repaired after "
+    "the flood of 1901.",
+)
+
+
+def drop_middle_chunks(
+    tensors: Any, tokens: list[int], *, attention: Any, rerotate: bool
+) -> tuple[Any, list[int]]:
+    """Upstream's notebook chunk drop, rewritten: drop the middle half of the
+    chunks (a torch fn of {kind: tensor}); optionally move the kept keys'
+    RoPE to their new positions 0..kept-1, as its rerotate_k_cache does."""
+    from lmcache_mp.edits import rerotate_keys
+
+    kv = tensors[LMCacheSDKCacheKind.KV]
+    chunks = kv.shape[2] // CHUNK
+    first, last = chunks // 4, chunks // 4 + chunks // 2
+    kept = [
+        i
+        for c in range(chunks)
+        if not first <= c < last
+        for i in range(c * CHUNK, (c + 1) * CHUNK)
+    ]
+    new_kv = kv[:, :, kept]
+    if rerotate:
+        new_kv = rerotate_keys(new_kv, kept, range(len(kept)), attention)
+    return new_kv, [tokens[i] for i in kept]
+
+
+def _pool_run(
+    engine: HFEngine, prompts: list[list[int]], fn: Any, salt: str
+) -> list[Any]:
+    """prefill -> modify(fn) -> decode 24 greedy tokens on a 2-worker spawn
+    pool, under its own cache salt (two edits keeping the same tokens would
+    otherwise share their KV); per stream: what it sends next, and its
+    decoded tokens."""
+    with lmc_batch.LMCacheBatchedStream(
+        "process", max_workers=2, preload=[engine.load]
+    ) as batch:
+        streams = [
+            lmc_request.create_request([engine.ctx], engine, p, salt) for p in prompts
+        ]
+        for s in streams:
+            batch.add(s)
+        batch.prefill({"temperature": 0})
+        context = [list(s.tokens) + list(s.suffix_tokens) for s in streams]
+        if fn is not None:
+            batch.modify(fn, timeout=10)
+            context = [list(s.tokens) + list(s.suffix_tokens) for s in streams]
+        batch.decode({"temperature": 0, "max_tokens": 24, "ignore_eos": True})
+        return [(c, s.output_tokens[1:]) for c, s in zip(context, streams, strict=True)]
+
+
+def test_upstreams_chunk_drop_with_rerotation_runs_on_the_pool(
+    model_engine: HFEngine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The notebook's chunk drop runs as a torch fn on the pool over SmolLM2's KV: decoding differs from the undropped run yet stays fluent, and rerotating agrees more with the undropped continuation than not (issue #19)."""
+    import functools
+
+    ctx = connect(f"shm:///test-hf-{secrets.token_hex(6)}", chunk_size=CHUNK)
+    try:
+        engine = engine_over(model_engine, ctx)
+        attention = engine.attention
+        prompts = [engine.encode(d, chat=False) for d in DOCUMENTS]
+        base = _pool_run(engine, prompts, None, "")
+        agreement, nll = {}, {}
+        for rerotate in (True, False):
+            fn = functools.partial(
+                drop_middle_chunks, attention=attention, rerotate=rerotate
+            )
+            salt = f"rerotate={rerotate}"
+            runs = _pool_run(engine, prompts, fn, salt)
+            # Teacher-forced top-1 agreement with the undropped continuation.
+            hits = [
+                engine.score(context, ref, salt).argmax(axis=1) == np.asarray(ref)
+                for (context, _), (_, ref) in zip(runs, base, strict=True)
+            ]
+            agreement[rerotate] = float(np.mean(np.concatenate(hits)))
+            # Fluency: how the undropped model scores the dropped run's reply.
+            nll[rerotate] = float(
+                np.mean(
+                    [
+                        -engine.score(p, got)[np.arange(len(got)), got].mean()
+                        for p, (_, got) in zip(prompts, runs, strict=True)
+                    ]
+                )
+            )
+            assert any(
+                got != ref for (_, got), (_, ref) in zip(runs, base, strict=True)
+            )
+        rng = np.random.default_rng(0)
+        noise = [rng.integers(100, 49000, 24).tolist() for _ in prompts]
+        random_nll = float(
+            np.mean(
+                [
+                    -engine.score(p, n)[np.arange(24), n].mean()
+                    for p, n in zip(prompts, noise, strict=True)
+                ]
+            )
+        )
+        with capsys.disabled():
+            print(
+                f"\nchunk drop: top-1 agreement rerotated {agreement[True]:.2f}, "
+                f"not rerotated {agreement[False]:.2f}; NLL/token of the reply: "
+                f"rerotated {nll[True]:.2f}, not {nll[False]:.2f}, "
+                f"random tokens {random_nll:.2f}"
+            )
+        assert nll[True] < 0.5 * random_nll
+        assert agreement[True] > agreement[False]
+    finally:
+        ctx.destroy()

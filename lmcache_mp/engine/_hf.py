@@ -12,13 +12,14 @@ import numpy as np
 import numpy.typing as npt
 
 from lmcache_mp._util.arrays import as_numpy, as_type
+from lmcache_mp.edits import AttentionConfig
 from lmcache_mp.engine._hf_attention import recording
 from lmcache_mp.engine._hf_load import LoadedModel, ModelSource, load_model, resolve
 from lmcache_mp.engine._prompt import check_prompt
 from lmcache_mp.engine._queries import check_query_ctx, record_queries
 from lmcache_mp.engine._sampling import Sampler, SamplingParams
 from lmcache_mp.engine._stats import EngineStats, StatsCounter
-from lmcache_mp.errors import KVConfigError
+from lmcache_mp.errors import KVConfigError, StreamInputError
 from lmcache_mp.hints import releases_gil
 from lmcache_mp.kv import KVContext
 from lmcache_mp.stream import TokenEvent
@@ -171,6 +172,17 @@ class HFEngine(StatsCounter):
             head_dim,
         )
 
+    @property
+    def attention(self) -> AttentionConfig:
+        """The model's heads and RoPE, for edits that group query heads or
+        rerotate keys (``make_edit(..., attention=engine.attention)``,
+        :func:`~lmcache_mp.edits.rerotate_keys`)."""
+        _, q_heads, kv_heads, head_dim = self.layout
+        rotary = next(m for m in self.model.modules() if hasattr(m, "inv_freq"))
+        # The model's own inverse frequencies: scaled RoPE (Llama 3's) included.
+        inv_freq = tuple(float(f) for f in rotary.inv_freq)
+        return AttentionConfig(q_heads, kv_heads, head_dim, inv_freq=inv_freq)
+
     def encode(self, text: str, *, chat: bool | None = None) -> list[int]:
         """Return the prompt token ids of a text.
 
@@ -281,6 +293,64 @@ class HFEngine(StatsCounter):
                 with torch.inference_mode():
                     logits = _forward(model, [token], position, cache)
                 position += 1
+
+    def score(
+        self,
+        prompt: Sequence[int],
+        continuation: Sequence[int],
+        cache_salt: str = "",
+    ) -> npt.NDArray[np.float32]:
+        """Teacher-force ``continuation`` after ``prompt``: the model's
+        log-probabilities at each of its tokens, in one forward pass.
+
+        What vLLM returns as ``prompt_logprobs``, and llama.cpp's
+        ``perplexity --kl-divergence`` compares: the prompt's cached prefix
+        (edited or not) is reused exactly as :meth:`__call__` reuses it, so
+        scoring the same continuation after an edited and an unedited cache
+        measures what the edit changed. Nothing is stored.
+
+        Args:
+            prompt: The context, as a stream would send it next (its tokens
+                then its pending suffix).
+            continuation: The tokens to score (at least one).
+            cache_salt: Isolation salt passed to the context.
+
+        Returns:
+            ``[len(continuation), vocab]`` float32 log-probabilities; row
+            ``i`` is the distribution ``continuation[i]`` was drawn from.
+
+        Raises:
+            StreamInputError: As :meth:`__call__`, for the whole sequence,
+                or if ``continuation`` is empty.
+            KVConfigError: If the cached KV's layout is not the model's.
+        """
+        import torch
+        from transformers import DynamicCache
+
+        cfg = self.model.config
+        whole = check_prompt(
+            [*prompt, *continuation], 1, cfg.vocab_size, cfg.max_position_embeddings
+        )
+        if not continuation or not prompt:
+            raise StreamInputError(
+                "score needs a non-empty prompt and continuation, got "
+                f"{len(prompt)} and {len(continuation)} tokens"
+            )
+        cache = DynamicCache(config=cfg)
+        with torch.inference_mode():
+            reused = self._load_cached(cache, list(prompt), cache_salt)
+            ids = torch.tensor([whole[reused:-1]], dtype=torch.long)
+            positions = torch.arange(reused, len(whole) - 1, dtype=torch.long)[None]
+            out = self.model(
+                input_ids=ids,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=len(continuation),
+            )
+            logprobs = out.logits[0].float().log_softmax(dim=-1)
+        result: npt.NDArray[np.float32] = logprobs.numpy()
+        return result
 
     def _load_cached(self, cache: Any, prompt: list[int], salt: str) -> int:
         """Fill ``cache`` with the prompt's cached prefix; return its length."""
