@@ -470,3 +470,25 @@ def test_upstreams_chunk_drop_with_rerotation_runs_on_the_pool(
         assert agreement[True] > agreement[False]
     finally:
         ctx.destroy()
+
+
+def test_model_figures_run_the_model_on_the_pool() -> None:
+    """The README's real-model figures come from a real run: exact prompt sizes, a prefill and decode rate, and the parent's and workers' memory."""
+    from lmcache_mp.bench._model_run import model_figures
+
+    figures = model_figures(streams=2, prompt_tokens=48, max_tokens=3, workers=2)
+    assert (figures.streams, figures.prompt_tokens, figures.workers) == (2, 48, 2)
+    assert figures.prefill_tput > 0 and figures.decode_ms_per_token > 0
+    # SmolLM2-135M: 134,515,008 float32 parameters (lm_head is the
+    # embedding, counted once).
+    assert figures.weights_bytes == 4 * 134_515_008
+    assert figures.pss_bytes > 0 and figures.rss_bytes > 0
+
+
+def test_filler_prompts_have_the_asked_length(model_engine: HFEngine) -> None:
+    """Each generated prompt has exactly the asked token count, and they differ."""
+    from lmcache_mp.bench._model_run import filler_prompts
+
+    prompts = filler_prompts(model_engine, 3, 100)
+    assert [len(p) for p in prompts] == [100, 100, 100]
+    assert len({tuple(p) for p in prompts}) == 3
