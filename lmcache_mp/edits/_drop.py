@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lmcache_mp.edits._base import check_int
-from lmcache_mp.edits._select import ScoredDrop
+from lmcache_mp.edits._scored import ScoredDrop
 
 __all__ = ["RandomDrop"]
 

@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lmcache_mp.edits._base import check_int, check_layers, resolve_layers
-from lmcache_mp.edits._select import ScoredDrop
+from lmcache_mp.edits._scored import ScoredDrop
 from lmcache_mp.hints import gil_bound
 
 __all__ = ["PyTokenScorer"]
