@@ -16,6 +16,7 @@ from lmcache_mp.edits._identity import Identity
 from lmcache_mp.edits._quantize import Quantize
 from lmcache_mp.edits._redundancy import RedundancyDrop
 from lmcache_mp.edits._registry import EDITS, KIND_EDITS, make_edit
+from lmcache_mp.edits._rope import AttentionConfig, rerotate_keys
 from lmcache_mp.edits._scorer import PyTokenScorer
 from lmcache_mp.edits._select import keep_count, keep_indices
 from lmcache_mp.edits._snapkv import SnapKV
@@ -25,6 +26,7 @@ from lmcache_mp.edits._window import RecentWindow
 __all__ = [
     "EDITS",
     "KIND_EDITS",
+    "AttentionConfig",
     "Edit",
     "EditResult",
     "Identity",
@@ -38,4 +40,5 @@ __all__ = [
     "keep_count",
     "keep_indices",
     "make_edit",
+    "rerotate_keys",
 ]

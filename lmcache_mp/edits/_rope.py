@@ -1,0 +1,198 @@
+"""A model's attention shape and rotary embedding, and moving keys' RoPE."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lmcache_mp._util.arrays import as_numpy, as_type
+
+__all__ = ["AttentionConfig", "rerotate_keys"]
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(
+            f"AttentionConfig.{name} must be an int >= 1, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    if value < 1:
+        raise ValueError(f"AttentionConfig.{name} must be an int >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """The attention shape and rotary embedding behind a KV.
+
+    What the edits that score with queries need to group query heads onto
+    their KV head (grouped-query attention: query head ``h`` reads KV head
+    ``h // (q_heads // kv_heads)``, as upstream's SnapKV notebook groups
+    them), and what :func:`rerotate_keys` needs to move keys' RoPE. The KV
+    of ``T`` tokens is ``[2, L, T, kv_heads * head_dim]`` and the queries
+    ``[1, L, T, q_heads * head_dim]``, heads side by side, keys and queries
+    after RoPE in Llama's rotate-half convention (as ``transformers`` and
+    vLLM's neox style apply it).
+
+    Args:
+        q_heads: Query heads per layer.
+        kv_heads: Key/value heads per layer; divides ``q_heads``.
+        head_dim: Channels per head; even (RoPE rotates channel pairs
+            ``(i, i + head_dim / 2)``).
+        rope_theta: RoPE base: the inverse frequencies are
+            ``rope_theta ** (-2i / head_dim)`` for ``i < head_dim / 2``.
+        inv_freq: The ``head_dim / 2`` inverse frequencies themselves,
+            overriding ``rope_theta`` (so that scaled RoPE, e.g.
+            Llama 3's, is expressible: pass the model's rotary embedding's
+            ``inv_freq``).
+
+    Raises:
+        ValueError: If a field is out of range; the message names it.
+    """
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    inv_freq: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        """Check the fields.
+
+        Raises:
+            ValueError: If a field is out of range; the message names it.
+        """
+        for name in ("q_heads", "kv_heads", "head_dim"):
+            _check_positive_int(name, getattr(self, name))
+            object.__setattr__(self, name, int(getattr(self, name)))
+        if self.q_heads % self.kv_heads:
+            raise ValueError(
+                f"AttentionConfig: kv_heads ({self.kv_heads}) must divide "
+                f"q_heads ({self.q_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"AttentionConfig.head_dim must be even (RoPE rotates channel "
+                f"pairs), got {self.head_dim}"
+            )
+        theta = self.rope_theta
+        if (
+            isinstance(theta, bool)
+            or not isinstance(theta, (int, float, np.integer, np.floating))
+            or not math.isfinite(theta)
+            or theta <= 1
+        ):
+            raise ValueError(
+                f"AttentionConfig.rope_theta must be a finite number > 1, got {theta!r}"
+            )
+        object.__setattr__(self, "rope_theta", float(theta))
+        if self.inv_freq is not None:
+            freqs = np.asarray(self.inv_freq, dtype=np.float64).ravel()
+            if freqs.size != self.head_dim // 2 or not np.all(np.isfinite(freqs)):
+                raise ValueError(
+                    f"AttentionConfig.inv_freq must be {self.head_dim // 2} finite "
+                    f"numbers (head_dim / 2), got {freqs.size}"
+                )
+            # A tuple of floats keeps the config hashable whatever was given
+            # (a list, a numpy array, a torch tensor's tolist()).
+            object.__setattr__(self, "inv_freq", tuple(freqs.tolist()))
+
+    @property
+    def group(self) -> int:
+        """Query heads sharing one KV head: ``q_heads // kv_heads``."""
+        return self.q_heads // self.kv_heads
+
+    def inverse_frequencies(self) -> npt.NDArray[np.float64]:
+        """Return the ``head_dim / 2`` RoPE inverse frequencies, float64.
+
+        Returns:
+            ``inv_freq`` when given, else
+            ``rope_theta ** (-arange(0, head_dim, 2) / head_dim)``.
+        """
+        if self.inv_freq is not None:
+            return np.asarray(self.inv_freq, dtype=np.float64)
+        exponents = np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim
+        freqs: npt.NDArray[np.float64] = self.rope_theta**-exponents
+        return freqs
+
+
+def _positions(name: str, value: Any, total: int) -> npt.NDArray[np.float64]:
+    pos = np.asarray(value) if isinstance(value, range) else as_numpy(value)
+    if pos.ndim != 1 or pos.shape[0] != total:
+        raise ValueError(
+            f"rerotate_keys: {name} has shape {pos.shape}, expected ({total},): "
+            "one position per token of the KV"
+        )
+    if pos.size and pos.dtype.kind not in "iu":
+        raise ValueError(f"rerotate_keys: {name} must be ints, got dtype {pos.dtype}")
+    return pos.astype(np.float64)
+
+
+def rerotate_keys(
+    kv: Any, old_positions: Any, new_positions: Any, config: AttentionConfig
+) -> Any:
+    """Move every key's RoPE from its old position to its new one.
+
+    A key rotated for position ``p`` becomes the key rotated for ``p'`` by
+    one more rotation, by the angle ``(p' - p) * inv_freq`` of each channel
+    pair (RoPE's rotations compose): ``k' = k * cos + rotate_half(k) * sin``
+    with ``rotate_half(x) = concat(-x[d/2:], x[:d/2])`` per head, as
+    ``transformers`` applies RoPE (upstream's ``rerotate_k_cache`` helper
+    does the same in two steps). The angles are float64, the arithmetic
+    float32 whatever the KV's dtype, rounded once to that dtype at the
+    end. Values (``kv[1]``) are copied unchanged. Use it after keeping a
+    subset of tokens at positions ``idx``: ``rerotate_keys(kept_kv, idx,
+    range(len(idx)), config)`` moves them to ``0 .. len(idx) - 1``, where
+    decoding will look for them.
+
+    Args:
+        kv: The KV, ``[2, L, T, kv_heads * head_dim]``, keys after RoPE; a
+            numpy array (float32, float16, ml_dtypes bfloat16, float64) or
+            a torch tensor.
+        old_positions: ``T`` int positions the keys are rotated for.
+        new_positions: ``T`` int positions to rotate them for.
+        config: The model's attention shape and RoPE.
+
+    Returns:
+        A new KV of the input's type, dtype (and torch device), with moved
+        keys; the input is not modified.
+
+    Raises:
+        ValueError: If ``kv`` is not ``[2, L, T, kv_heads * head_dim]`` or
+            the positions are not ``T`` ints each.
+    """
+    arr = as_numpy(kv)
+    if arr.ndim != 4 or arr.shape[0] != 2:
+        raise ValueError(
+            f"rerotate_keys: kv has shape {arr.shape}, expected 4-D "
+            "[2, layers, tokens, kv_heads * head_dim]"
+        )
+    _, layers, total, width = arr.shape
+    heads, dim = config.kv_heads, config.head_dim
+    if width != heads * dim:
+        raise ValueError(
+            f"rerotate_keys: kv width {width} is not kv_heads * head_dim = "
+            f"{heads} * {dim} of the AttentionConfig"
+        )
+    shift = _positions("new_positions", new_positions, total) - _positions(
+        "old_positions", old_positions, total
+    )
+    angles = shift[:, None] * config.inverse_frequencies()[None, :]
+    # [T, 1, d/2]: one angle per token and channel pair, shared by the heads.
+    cos = np.cos(angles).astype(np.float32)[:, None, :]
+    sin = np.sin(angles).astype(np.float32)[:, None, :]
+    out = arr.copy()
+    half = dim // 2
+    for layer in range(layers):
+        k = arr[0, layer].astype(np.float32).reshape(total, heads, dim)
+        a, b = k[..., :half], k[..., half:]
+        # k * cos + rotate_half(k) * sin, on the two halves of each head.
+        rotated = np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+        out[0, layer] = rotated.reshape(total, width).astype(arr.dtype)
+    if not hasattr(kv, "detach"):
+        return out
+    # A torch tensor in, a torch tensor out, on the input's device.
+    return as_type(out, "torch").to(kv.device)
