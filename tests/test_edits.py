@@ -221,7 +221,7 @@ def test_make_edit_unknown_name_lists_known_names() -> None:
 
 def test_make_edit_unknown_parameter_is_named() -> None:
     """make_edit with a foreign parameter raises TypeError naming it."""
-    with pytest.raises(TypeError, match=r"'windw'.*window, sinks"):
+    with pytest.raises(TypeError, match=r"'windw'.*sinks, window"):
         make_edit("window", windw=8)
 
 

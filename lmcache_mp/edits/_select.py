@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["keep_count", "keep_indices"]
+__all__ = ["choose_top", "keep_count", "keep_indices"]
 
 
 def keep_count(keep: float, total: int, protected: int) -> int:
@@ -74,3 +74,24 @@ def keep_indices(
         raise ValueError("keep_indices: idx must be strictly increasing")
     new_tokens = [tokens[i] for i in pos.tolist()]
     return np.take(kv, pos, axis=2), new_tokens
+
+
+def choose_top(priority: npt.NDArray[Any], count: int) -> npt.NDArray[np.intp]:
+    """Return the positions of the ``count`` highest priorities, increasing.
+
+    The choice every scored edit makes: equal priorities favour the later
+    position (the recent context matters more to decoding).
+
+    Args:
+        priority: One score per position (higher is kept).
+        count: How many positions to keep, ``0 <= count <= len(priority)``.
+
+    Returns:
+        The chosen positions, sorted.
+    """
+    if count <= 0:
+        return np.empty(0, dtype=np.intp)
+    # lexsort's last key is the primary one: by priority, then position, so
+    # the tail of the order holds the best, later positions first.
+    order = np.lexsort((np.arange(len(priority)), priority))
+    return np.sort(order[len(order) - count :]).astype(np.intp)
