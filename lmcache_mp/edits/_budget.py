@@ -127,6 +127,21 @@ class TokenDrop(Edit):
                 "attention parameter"
             )
 
+    def key_heads(self, kv: npt.NDArray[Any], lo: int, hi: int) -> npt.NDArray[Any]:
+        """Return the keys of tokens ``lo..hi-1`` as float32 ``[L, t, H, d]``.
+
+        ``H`` is ``attention.kv_heads`` when ``attention`` is given, else 1
+        (the whole width as one vector).
+
+        Raises:
+            ValueError: If ``attention`` does not fit the KV's width.
+        """
+        width = kv.shape[3]
+        self.check_width(width)
+        heads = 1 if self.attention is None else self.attention.kv_heads
+        keys = kv[0, :, lo:hi].astype(np.float32)
+        return keys.reshape(*keys.shape[:2], heads, width // heads)
+
     def gather(
         self, kv: npt.NDArray[Any], tokens: Sequence[int], idx: Any
     ) -> tuple[npt.NDArray[Any], list[int]]:
