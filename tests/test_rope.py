@@ -40,7 +40,7 @@ def rotated_kv(
     rng = np.random.default_rng(seed)
     width = config.kv_heads * config.head_dim
     raw = rng.standard_normal((2, LAYERS, len(positions), width))
-    kv = raw.copy()
+    kv: np.ndarray = raw.copy()
     for layer in range(LAYERS):
         kv[0, layer] = direct_rope(raw[0, layer], positions, config)
     return kv
@@ -164,7 +164,7 @@ def test_bad_config_names_the_field(fields: dict[str, Any], named: str) -> None:
 
 def test_config_is_hashable_with_a_list_of_frequencies() -> None:
     """inv_freq given as a list is stored as a tuple: the config hashes."""
-    config = AttentionConfig(2, 1, 4, inv_freq=[1.0, 0.5])
+    config = AttentionConfig(2, 1, 4, inv_freq=[1.0, 0.5])  # type: ignore[arg-type]
     assert hash(config) == hash(AttentionConfig(2, 1, 4, inv_freq=(1.0, 0.5)))
 
 
