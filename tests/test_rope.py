@@ -184,3 +184,22 @@ def test_bad_input_is_named(
     kv = np.zeros(kv_shape, dtype=np.float32)
     with pytest.raises(ValueError, match=named):
         rerotate_keys(kv, np.arange(positions), np.arange(4), CONFIG)
+
+
+def test_the_toy_engines_attention_config_moves_its_keys() -> None:
+    """EngineConfig.attention describes the toy model's RoPE: its layer-0 key
+    of a token at position p, moved to p + 3, is its key computed at p + 3."""
+    from lmcache_mp.engine import EngineConfig
+    from lmcache_mp.engine._model import KVSequence
+
+    config = EngineConfig()
+    prompt = [5, 17, 99, 3, 42, 7]
+    plain, shifted = KVSequence(config, 16), KVSequence(config, 16)
+    plain.extend(prompt)
+    shifted.extend([11, 12, 13, *prompt])
+    layer0 = plain.prefix(len(prompt))[:, :1]
+    moved = rerotate_keys(
+        layer0, np.arange(len(prompt)), np.arange(len(prompt)) + 3, config.attention
+    )
+    expected = shifted.prefix(len(prompt) + 3)[:, :1, 3:]
+    np.testing.assert_allclose(moved[0], expected[0], rtol=0, atol=1e-4)
