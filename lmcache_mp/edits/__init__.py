@@ -14,6 +14,12 @@ Every token-dropping edit takes ``keep`` (a fraction) or ``budget``
 (tokens), and ``rerotate`` with the model's :class:`AttentionConfig`
 (``attention=``), which also groups query heads onto KV heads (GQA);
 :func:`rerotate_keys` moves keys' RoPE to new positions.
+
+PyramidKV (Cai et al., 2024) is left out on purpose: it gives each layer
+its own budget (more tokens in the lower layers), but a stream's KV has one
+token axis and one token list for every layer, so one token subset per
+stream cannot hold a different number of tokens per layer; forcing one
+shared subset would make it SnapKV's selection again (issue #21).
 """
 
 from lmcache_mp.edits._base import Edit, EditResult

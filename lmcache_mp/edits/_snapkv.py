@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import numpy.typing as npt
 
-from lmcache_mp.edits._base import EditResult, check_int
+from lmcache_mp.edits._base import EditResult, check_int, check_kernel
 from lmcache_mp.edits._queries import QueryDrop, attention_probs
 from lmcache_mp.hints import releases_gil
 
@@ -103,12 +103,7 @@ class SnapKV(QueryDrop):
         super().__post_init__()
         owner = type(self).__name__
         check_int(owner, "window", self.window, 1)
-        check_int(owner, "kernel", self.kernel, 1)
-        if self.kernel % 2 == 0:
-            raise ValueError(
-                f"{owner}: parameter 'kernel' must be odd (a centred pool of the "
-                f"same length), got {self.kernel!r}"
-            )
+        check_kernel(owner, self.kernel)
         if self.pooling not in ("avg", "max"):
             raise ValueError(
                 f"{owner}: parameter 'pooling' must be 'avg' or 'max', "

@@ -8,9 +8,9 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from lmcache_mp.edits._base import EditResult, check_int
+from lmcache_mp.edits._base import EditResult
 from lmcache_mp.edits._queries import QueryDrop, attention_probs
-from lmcache_mp.edits._select import choose_top
+from lmcache_mp.edits._scored import EndsDrop
 from lmcache_mp.hints import releases_gil
 
 __all__ = ["TOVA"]
@@ -18,7 +18,7 @@ __all__ = ["TOVA"]
 
 @releases_gil
 @dataclass(frozen=True)
-class TOVA(QueryDrop):
+class TOVA(QueryDrop, EndsDrop):
     """Keep the tokens with the highest attention from the last query.
 
     The rule of TOVA (Oren et al., 2024, "Transformers are Multi-State
@@ -55,31 +55,12 @@ class TOVA(QueryDrop):
     keep_first: int = 0
     keep_last: int = 1
 
-    def __post_init__(self) -> None:
-        """Check the parameters.
-
-        Raises:
-            ValueError: If a parameter is out of range; the message names it.
-        """
-        super().__post_init__()
-        owner = type(self).__name__
-        check_int(owner, "keep_first", self.keep_first, 0)
-        check_int(owner, "keep_last", self.keep_last, 0)
-
     def _select(
         self, kv: npt.NDArray[Any], queries: npt.NDArray[Any], tokens: list[int]
     ) -> EditResult:
-        total = len(tokens)
-        protected = self.keep_first + self.keep_last
-        kept = self.kept_count(total, protected)
-        if kept == total:
-            return kv, tokens, {"kept": total, "dropped": 0}
-        lo, hi = self.keep_first, total - self.keep_last
-        scores = self._scores(kv, queries)
-        chosen = choose_top(scores[lo:hi], kept - protected) + lo
-        idx = np.concatenate([np.arange(lo), chosen, np.arange(hi, total)])
-        new_kv, new_tokens = self.gather(kv, tokens, idx)
-        return new_kv, new_tokens, {"kept": kept, "dropped": total - kept}
+        return self.keep_ends_and_top(
+            kv, tokens, lambda lo, hi: self._scores(kv, queries)[lo:hi]
+        )
 
     def _scores(
         self, kv: npt.NDArray[Any], queries: npt.NDArray[Any]
