@@ -98,18 +98,22 @@ class H2O(QueryDrop):
         heads, group, dim = self.layout(width)
         scale = 1.0 / math.sqrt(dim)
         scores = np.zeros(total, dtype=np.float64)
+        # future[i, j]: key start + j lies after query start + i.
+        size = min(self.block, total)
+        future = np.triu(np.ones((size, size), dtype=bool), k=1)
         for layer in range(kv.shape[1]):
             # float32 for the T^2 part (BLAS sgemm, exp); the sums float64.
             k = kv[0, layer].astype(np.float32).reshape(total, heads, dim)
             k = k.transpose(1, 2, 0)[:, None]  # [H, 1, d, T]
             q = queries[0, layer].astype(np.float32) * np.float32(scale)
             q = q.reshape(total, heads, group, dim).transpose(1, 2, 0, 3)
-            for start in range(0, total, self.block):
-                stop = min(start + self.block, total)
-                # Queries start..stop-1 see keys 0..stop-1 only.
+            for start in range(0, total, size):
+                stop = min(start + size, total)
+                # Queries start..stop-1 see keys 0..stop-1 only; of those,
+                # only the block's own keys can lie after a query.
                 logits = q[:, :, start:stop] @ k[..., :stop]  # [H, G, b, stop]
-                rows = np.arange(start, stop)[:, None]
-                logits[:, :, np.arange(stop)[None, :] > rows] = -np.inf
+                diagonal = logits[..., start:stop]
+                diagonal[..., future[: stop - start, : stop - start]] = -np.inf
                 logits -= logits.max(axis=-1, keepdims=True)
                 np.exp(logits, out=logits)
                 logits /= logits.sum(axis=-1, keepdims=True)
