@@ -201,26 +201,20 @@ def ref_rkv(
 # --- each method against its reference ----------------------------------------
 
 
-@pytest.mark.parametrize("config", [GQA, MHA], ids=["gqa", "mha"])
-@pytest.mark.parametrize("keep", [0.25, 0.5])
-def test_knorm_keeps_the_lowest_mean_key_norms(
-    config: AttentionConfig, keep: float
-) -> None:
-    """knorm keeps the tokens of lowest key norm, averaged over layers and KV heads."""
-    kv, q = tensors(config)
-    _, kept, _ = run("knorm", kv, q, keep=keep, attention=config)
-    assert set(kept) == ref_knorm(kv, config, budget_of(keep, 40))
+KV_REFERENCES = {"knorm": ref_knorm, "keydiff": ref_keydiff}
 
 
 @pytest.mark.parametrize("config", [GQA, MHA], ids=["gqa", "mha"])
 @pytest.mark.parametrize("keep", [0.25, 0.5])
-def test_keydiff_keeps_the_keys_least_like_the_mean(
-    config: AttentionConfig, keep: float
+@pytest.mark.parametrize("name", sorted(KV_REFERENCES))
+def test_key_scored_edits_keep_what_their_reference_keeps(
+    name: str, config: AttentionConfig, keep: float
 ) -> None:
-    """keydiff keeps the tokens of lowest cosine to the mean unit key."""
+    """knorm keeps the tokens of lowest key norm, keydiff those of lowest
+    cosine to the mean unit key, each averaged over layers and KV heads."""
     kv, q = tensors(config)
-    _, kept, _ = run("keydiff", kv, q, keep=keep, attention=config)
-    assert set(kept) == ref_keydiff(kv, config, budget_of(keep, 40))
+    _, kept, _ = run(name, kv, q, keep=keep, attention=config)
+    assert set(kept) == KV_REFERENCES[name](kv, config, budget_of(keep, 40))
 
 
 def test_streamingllm_keeps_sinks_and_the_latest_tokens() -> None:
