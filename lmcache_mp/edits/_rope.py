@@ -35,7 +35,18 @@ class AttentionConfig:
     of ``T`` tokens is ``[2, L, T, kv_heads * head_dim]`` and the queries
     ``[1, L, T, q_heads * head_dim]``, heads side by side, keys and queries
     after RoPE in Llama's rotate-half convention (as ``transformers`` and
-    vLLM's neox style apply it).
+    vLLM's neox style apply it). For a ``transformers`` Llama-style model::
+
+        AttentionConfig(
+            q_heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            inv_freq=tuple(model.model.rotary_emb.inv_freq.tolist()),
+        )
+
+    (RoPE over a part of the head, ``partial_rotary_factor < 1``, is not
+    expressible.) A rotary ``attention_scaling`` needs no field: a key's
+    scale survives the relative rotation :func:`rerotate_keys` applies.
 
     Args:
         q_heads: Query heads per layer.
