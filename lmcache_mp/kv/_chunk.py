@@ -16,7 +16,7 @@ Layout of a chunk (little-endian)::
     width    u32
     payload  u64  payload length in bytes
     digest   16s  keyed BLAKE2b-128 of the 32 bytes above + the payload's
-                  CRC-32 (u32)
+                  block sums (u64 each)
     payload       the [planes, layers, tokens, width] elements, C order
                   (planes: 2 for KV, 1 for queries)
 
@@ -24,10 +24,13 @@ The digest is keyed with the chunk's key, so a chunk file renamed to
 another key fails as well. It detects corruption, truncation and torn or
 misplaced files; it is not a secret, so it does not stop a user who can
 write the directory from forging a chunk: the 0700 directory does that.
-The payload pass is CRC-32 rather than BLAKE2b (format version 2, issue
-#12): it detects the same accidents at about 2.5 GB/s against BLAKE2b's
-0.8 GB/s, which cost two thirds of every retrieve; BLAKE2b still binds the
-CRC to the header and the key.
+The payload pass is a sum of the 64-bit words of each 4 KiB block, the
+blocks' sums in order (format version 3, issue #20): numpy adds them at
+~18 GB/s, where CRC-32 (version 2, issue #12) ran at 2.9 GB/s and BLAKE2b
+(version 1) at 0.8 GB/s, each the slowest step of a retrieve. A changed,
+zeroed, truncated or torn block changes its sum (two changes in one block
+that cancel exactly are the accident it misses); BLAKE2b binds the sums,
+in block order, to the header and the key.
 Payloads are raw elements: reading a chunk never unpickles anything.
 """
 
@@ -41,7 +44,6 @@ import os
 import stat
 import struct
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,13 +70,16 @@ __all__ = [
 ]
 
 MAGIC = b"LMCMPKV\0"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _FIELDS = struct.Struct("<8sHHIIIQ")
 #: Bytes of the digest, the last part of the header.
 DIGEST_BYTES = 16
 #: Bytes before the payload: the fields and the digest.
 HEADER_SIZE = _FIELDS.size + DIGEST_BYTES
 _PERSON = b"lmcache-mp/kvchk"
+# The checksum sums the payload's 64-bit little-endian words per block.
+_BLOCK = 4096
+_WORD = np.dtype("<u8")
 # Scatter/gather calls take at most this many buffers.
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
@@ -138,17 +143,36 @@ def chunk_digest(key: bytes, fields: bytes, payload: Sequence[memoryview]) -> by
         payload: The payload's bytes, in file order.
 
     Returns:
-        16 bytes: keyed BLAKE2b of ``fields`` and the payload's CRC-32.
+        16 bytes: keyed BLAKE2b of ``fields`` and the payload's block sums.
     """
-    crc = 0
+    digest = hashlib.blake2b(digest_size=DIGEST_BYTES, key=key, person=_PERSON)
+    digest.update(fields)
+    for sums in _block_sums(payload):
+        digest.update(sums)
+    return digest.digest()
+
+
+def _block_sums(payload: Sequence[memoryview]) -> list[bytes]:
+    """The little-endian u64 sums of the payload's 4 KiB blocks, in order.
+
+    Blocks run over the concatenation of ``payload``; the last one is
+    zero-padded. Views whose lengths are whole blocks (every real layout:
+    a chunk's layer is 256 tokens x width x itemsize) are summed in place;
+    others are joined first.
+    """
+    if any(len(view) % _BLOCK for view in payload[:-1]):
+        payload = [memoryview(b"".join(payload))]
+    sums = []
     for view in payload:
-        crc = zlib.crc32(view, crc)
-    return hashlib.blake2b(
-        fields + crc.to_bytes(4, "little"),
-        digest_size=DIGEST_BYTES,
-        key=key,
-        person=_PERSON,
-    ).digest()
+        whole = len(view) - len(view) % _BLOCK
+        if whole:
+            words = np.frombuffer(view[:whole], _WORD).reshape(-1, _BLOCK // 8)
+            sums.append(words.sum(axis=1, dtype=_WORD).tobytes())
+        if whole < len(view):
+            tail = bytearray(_BLOCK)
+            tail[: len(view) - whole] = view[whole:]
+            sums.append(np.frombuffer(tail, _WORD).sum(dtype=_WORD).tobytes())
+    return sums
 
 
 def encode_header(

@@ -18,6 +18,7 @@ import numpy.typing as npt
 from lmcache_mp._util.arrays import as_numpy
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import CorruptChunkWarning, KVConfigError
+from lmcache_mp.kv._buffers import contiguous, empty_kv
 from lmcache_mp.kv._chunk import CorruptChunk
 from lmcache_mp.kv._keys import Tokens, token_array
 from lmcache_mp.kv._layout import Layout, resolve_dtype
@@ -133,10 +134,11 @@ def as_bytes(arr: npt.NDArray[Any], layout: Layout) -> npt.NDArray[np.uint8]:
         layout: The store's layout (its dtype).
 
     Returns:
-        ``arr`` itself viewed as bytes when it is already so, else a copy;
+        ``arr`` itself viewed as bytes when it is already so, else a copy
+        (in huge pages when large: see :mod:`~lmcache_mp.kv._buffers`);
         what :func:`~lmcache_mp.kv._chunk.chunk_views` slices.
     """
-    return np.ascontiguousarray(arr, dtype=layout.dtype).view(np.uint8)
+    return contiguous(arr, layout.dtype).view(np.uint8)
 
 
 def join_payloads(
@@ -154,7 +156,7 @@ def join_payloads(
     """
     shape = (layout.planes, layout.layers, chunk_size, layout.width)
     tokens = len(payloads) * chunk_size
-    out = np.empty((*shape[:2], tokens, layout.width), layout.dtype)
+    out = empty_kv((*shape[:2], tokens, layout.width), layout.dtype)
     for index, payload in enumerate(payloads):
         chunk = np.frombuffer(payload, layout.dtype).reshape(shape)
         out[:, :, index * chunk_size : (index + 1) * chunk_size] = chunk

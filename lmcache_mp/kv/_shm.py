@@ -15,6 +15,7 @@ import numpy.typing as npt
 
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError
+from lmcache_mp.kv._buffers import contiguous, empty_kv
 from lmcache_mp.kv._capacity import Usage
 from lmcache_mp.kv._chunk import (
     CorruptChunk,
@@ -265,7 +266,7 @@ class SharedMemoryKVStore(StoreHandle):
         if layout is None or not found:
             self._counts.add(misses=1)
             return None
-        out = np.empty(
+        out = empty_kv(
             (layout.planes, layout.layers, len(found) * size, layout.width),
             layout.dtype,
         )
@@ -286,7 +287,7 @@ class SharedMemoryKVStore(StoreHandle):
         if got == 0:
             return None
         if got < len(found):
-            return np.ascontiguousarray(out[:, :, : got * size])
+            return contiguous(out[:, :, : got * size], layout.dtype)
         return out
 
     def store(
