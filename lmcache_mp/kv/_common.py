@@ -17,15 +17,17 @@ import numpy.typing as npt
 
 from lmcache_mp._util.arrays import as_numpy
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
-from lmcache_mp.errors import CorruptChunkWarning, KVConfigError
+from lmcache_mp.errors import CorruptChunkWarning, KVCapacityError, KVConfigError
 from lmcache_mp.kv._buffers import contiguous, empty_kv
 from lmcache_mp.kv._chunk import CorruptChunk
 from lmcache_mp.kv._keys import Tokens, token_array
 from lmcache_mp.kv._layout import Layout, resolve_dtype
+from lmcache_mp.kv._pins import PinScope
 
 __all__ = [
     "StoreHandle",
     "as_bytes",
+    "capacity_error",
     "check_positive",
     "join_payloads",
     "kv_layout",
@@ -218,4 +220,42 @@ def warn_unfit(url: str, unfit: int, total: int, capacity: str) -> None:
         f"of {capacity}; not stored",
         RuntimeWarning,
         stacklevel=4,
+    )
+
+
+def capacity_error(
+    where: str,
+    scope: PinScope | None,
+    asked: int,
+    pinned: int,
+    used: int,
+    capacity: int,
+    how: str,
+) -> KVCapacityError:
+    """The error of a store call whose new chunks do not fit (issue #20).
+
+    Args:
+        where: The store's URL.
+        scope: The stream the call was made for, if known.
+        asked: Bytes the call needed.
+        pinned: Bytes pinned by open batches (negative: unknown).
+        used: Bytes the store holds.
+        capacity: The store's capacity.
+        how: How to raise the capacity, in words.
+
+    Returns:
+        The :class:`KVCapacityError` to raise; nothing was stored.
+    """
+    sid = None if scope is None else scope.stream_id
+    who = "" if sid is None else f"stream {sid}: "
+    pinned_text = "unknown" if pinned < 0 else str(pinned)
+    return KVCapacityError(
+        f"{who}storing {asked} bytes of KV in store {where} does not fit: its "
+        f"capacity is {capacity} bytes, {used} are in use, {pinned_text} of them "
+        "pinned by the streams of open batches (never evicted); nothing was "
+        f"stored. {how}, or close batches whose KV is no longer needed",
+        sid,
+        asked,
+        max(pinned, 0),
+        capacity,
     )

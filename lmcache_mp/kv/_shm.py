@@ -27,11 +27,11 @@ from lmcache_mp.kv._chunk import (
 from lmcache_mp.kv._common import (
     StoreHandle,
     as_bytes,
+    capacity_error,
     check_positive,
     kv_layout,
     require_layout,
     warn_corrupt,
-    warn_unfit,
 )
 from lmcache_mp.kv._files import (
     CHUNK_SUFFIX,
@@ -44,6 +44,14 @@ from lmcache_mp.kv._files import (
 )
 from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._layout import Layout, load_layout, publish_layout
+from lmcache_mp.kv._pinfiles import (
+    clear_evicted,
+    is_evicted,
+    live_pins,
+    remove_pins,
+    write_pin,
+)
+from lmcache_mp.kv._pins import PinOwner, current_scope
 from lmcache_mp.kv._staged import StagedChunks
 from lmcache_mp.kv._stats import Counters, StoreStats
 
@@ -297,8 +305,9 @@ class SharedMemoryKVStore(StoreHandle):
 
         Chunks already cached count as used (for eviction). When the new
         chunks do not fit, least recently used chunks of other prefixes are
-        evicted; chunks that still do not fit are not stored, with a
-        ``RuntimeWarning``.
+        evicted, never chunks pinned by open batches; when they do not fit
+        even then, nothing is stored and :class:`KVCapacityError` is raised
+        at once (issue #20).
 
         Args:
             kv: ``[2, L, len(tokens), D]``: a numpy array, a torch tensor or
@@ -320,6 +329,8 @@ class SharedMemoryKVStore(StoreHandle):
             TypeError: If ``kv`` is not an array, ``tokens`` not ints or
                 ``cache_salt`` not a str.
             ValueError: If a token id is negative.
+            KVCapacityError: If the new chunks do not fit (naming the stream
+                when called for one).
             KVStoreError: If the store is closed or a chunk cannot be written.
         """
         wrote, _ = self._write(kv, tokens, cache_salt, overwrite, publish=True)
@@ -389,20 +400,26 @@ class SharedMemoryKVStore(StoreHandle):
         rewrite = present if overwrite else []
         if not missing and not rewrite:
             return False, []
-        fits, evicted = self._usage.make_room(
-            fd, len(missing), chunk_file_size(layout, size), frozenset(names)
-        )
-        self._counts.add(evictions=evicted)
-        if fits < len(missing):
-            warn_unfit(
+        scope = current_scope()
+        if scope is not None and scope.owner is not None:
+            # Pinned before written: no other write may evict them meanwhile.
+            write_pin(fd, scope.owner, scope.stream_id, names, add=True)
+        file_size = chunk_file_size(layout, size)
+        room = self._usage.make_room(fd, len(missing), file_size, frozenset(names))
+        self._counts.add(evictions=room.evicted, evicted_bytes=room.evicted_bytes)
+        if room.fits < len(missing):
+            raise capacity_error(
                 self._url,
-                len(missing) - fits,
-                len(missing),
-                f"{self._usage.capacity} bytes",
+                scope,
+                len(missing) * file_size,
+                room.pinned,
+                room.used,
+                self._usage.capacity,
+                "Raise it with connect(url, capacity_bytes=...)",
             )
         raw = as_bytes(arr, layout)
         moves = []
-        for index in missing[:fits] + rewrite:
+        for index in missing + rewrite:
             views = chunk_views(raw, index * size, (index + 1) * size)
             try:
                 tmp = write_chunk(
@@ -413,9 +430,10 @@ class SharedMemoryKVStore(StoreHandle):
                     f"{self._path}/{names[index]}: cannot write chunk: {exc}"
                 ) from exc
             self._counts.add(writes=1)
+            clear_evicted(fd, names[index])
             if not publish:
                 moves.append((tmp, names[index]))
-        return fits > 0 or bool(rewrite), moves
+        return True, moves
 
     def sweep(self) -> int:
         """Remove the temp files of writers that died (unfinished or staged
@@ -435,12 +453,72 @@ class SharedMemoryKVStore(StoreHandle):
         Raises:
             KVStoreError: If the store is closed.
         """
-        entries = list_chunks(self._dir_fd())
+        fd = self._dir_fd()
+        entries = list_chunks(fd)
+        pinned = live_pins(fd)
+        used = sum(e.size for e in entries)
         return self._counts.snapshot(
             len(entries),
-            sum(e.size for e in entries),
+            used,
             capacity_bytes=self._usage.capacity,
+            pinned_bytes=sum(e.size for e in entries if e.name in pinned),
+            free_bytes=max(0, self._usage.capacity - used),
         )
+
+    def _names(self, tokens: Tokens, cache_salt: str) -> list[str]:
+        """The chunk file names of every full chunk of ``tokens``."""
+        keys = chunk_keys(token_array(tokens), self._chunk_size, cache_salt)
+        return [key.hex() + CHUNK_SUFFIX for key in keys]
+
+    def pin(
+        self, owner: PinOwner, stream_id: str, tokens: Tokens, cache_salt: str = ""
+    ) -> None:
+        """Pin the chunks of ``tokens`` for one stream of a batch, replacing
+        what was pinned for it; eviction never removes pinned chunks.
+
+        A batch calls this for its member streams (issue #20); the pin lasts
+        until :meth:`unpin`, or until the process holding the batch is gone.
+
+        Args:
+            owner: The batch.
+            stream_id: The stream.
+            tokens: Its tokens (chunks not stored yet are pinned for when
+                they are).
+            cache_salt: Its salt.
+
+        Raises:
+            KVStoreError: If the store is closed or the pin cannot be written.
+        """
+        fd = self._dir_fd()
+        try:
+            write_pin(fd, owner, stream_id, self._names(tokens, cache_salt), False)
+        except OSError as exc:
+            raise KVStoreError(f"{self._url}: cannot pin KV: {exc}") from exc
+
+    def unpin(self, owner: PinOwner, stream_id: str | None = None) -> None:
+        """Release the pins of one stream of a batch, or all of the batch's.
+
+        Raises:
+            KVStoreError: If the store is closed.
+        """
+        remove_pins(self._dir_fd(), owner, stream_id)
+
+    def was_evicted(self, tokens: Tokens, cache_salt: str = "", start: int = 0) -> bool:
+        """Whether the chunk of ``tokens`` that begins at token ``start`` was
+        evicted and not stored since: the KV was there and will not come
+        back by waiting (issue #20).
+
+        Args:
+            tokens: The token ids.
+            cache_salt: Isolation salt.
+            start: A multiple of ``chunk_size``.
+
+        Raises:
+            KVStoreError: If the store is closed.
+        """
+        names = self._names(tokens, cache_salt)
+        index = start // self._chunk_size
+        return index < len(names) and is_evicted(self._dir_fd(), names[index])
 
     def close(self) -> None:
         """Release the directory; remove it if this handle owns it.
