@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterable
 
 from lmcache_mp.kv._files import temp_name
-from lmcache_mp.kv._pins import PinOwner, process_started
+from lmcache_mp.kv._pins import PinOwner, same_process
 
 __all__ = [
     "clear_evicted",
@@ -90,7 +90,7 @@ def live_pins(dir_fd: int) -> set[str]:
     for pin in pins:
         owner = _owner_of(pin)
         if owner is not None and owner not in alive:
-            alive[owner] = process_started(owner[0]) == owner[1]
+            alive[owner] = same_process(*owner)
         if owner is None or not alive[owner]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(pin, dir_fd=dir_fd)

@@ -24,8 +24,17 @@ from dataclasses import dataclass
 
 import psutil
 
-__all__ = ["PinOwner", "PinScope", "current_scope", "pinning"]
+__all__ = [
+    "PinOwner",
+    "PinScope",
+    "current_scope",
+    "pinning",
+    "process_started",
+    "same_process",
+]
 
+# Hundredths of a second a process's start time may drift as read.
+_START_SLACK = 200
 #: Seconds a Redis pin lives unless its batch renews it.
 DEFAULT_LEASE_S = 600.0
 
@@ -54,10 +63,6 @@ class PinOwner:
         pid = os.getpid()
         return cls(uuid.uuid4().hex, pid, process_started(pid) or 0, lease_s)
 
-    def alive(self) -> bool:
-        """Whether the process holding the batch is still running."""
-        return process_started(self.pid) == self.started
-
     def tag(self, stream_id: str | None = None) -> str:
         """A name part for this owner's pins (of one stream, if given):
         ``<pid>-<started>-<batch>[-<stream digest>]``, file-name safe."""
@@ -66,6 +71,16 @@ class PinOwner:
             return tag
         digest = hashlib.blake2b(stream_id.encode(), digest_size=8).hexdigest()
         return f"{tag}-{digest}"
+
+
+def same_process(pid: int, started: int) -> bool:
+    """Whether process ``pid`` runs and started at ``started``.
+
+    A process's start time is computed from the boot time, which moves
+    with the wall clock when it is stepped; a reused pid starts later.
+    """
+    now = process_started(pid)
+    return now is not None and abs(now - started) <= _START_SLACK
 
 
 def process_started(pid: int) -> int | None:
