@@ -30,7 +30,7 @@ from lmcache_mp._util.arrays import check_array_type
 from lmcache_mp.errors import LMCacheBatchedStreamError
 from lmcache_mp.executors import PhaseExecutor, PhaseRun
 from lmcache_mp.executors._factory import make_executor
-from lmcache_mp.kv._pins import PinOwner
+from lmcache_mp.kv._pins import DEFAULT_LEASE_S, PinOwner
 from lmcache_mp.metrics import Metrics, get_formatter
 from lmcache_mp.stream import (
     ModifyFn,
@@ -72,6 +72,9 @@ class LMCacheBatchedStream(UpstreamNames):
             numpy for :mod:`lmcache_mp.stream` streams, torch (where
             installed) for :mod:`lmcache_mp.request` ones, as upstream
             0.5.6 hands its fns torch tensors.
+        pin_lease: Seconds the member streams' KV stays pinned in a store
+            that expires pins (Redis) if the batch stops renewing them (its
+            process died); each phase renews them (issue #20).
 
     Upstream 0.5.6's names (``request_streams``, ``get_request_stream``,
     ``run_request_streams``, ``modify_request_streams``) are the same
@@ -101,6 +104,7 @@ class LMCacheBatchedStream(UpstreamNames):
         max_in_flight: int | None = None,
         timeout: float | None = None,
         array: str | None = None,
+        pin_lease: float = DEFAULT_LEASE_S,
     ) -> None:
         if array is not None:
             check_array_type(array)
@@ -118,7 +122,7 @@ class LMCacheBatchedStream(UpstreamNames):
         self._closed = False
         # The member streams' KV is pinned in their stores under this owner
         # until the batch closes (issue #20).
-        self._pins = PinOwner.new()
+        self._pins = PinOwner.new(pin_lease)
         self._pinned: dict[int, Any] = {}
         # Stops the workers and releases the pins when an unclosed batch is
         # collected or at exit.

@@ -4,12 +4,14 @@ KV fails at once, and a crashed batch's pins are reclaimed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -22,10 +24,11 @@ from lmcache_mp.errors import (
     KVEvictedError,
     LMCacheBatchedStreamError,
 )
-from lmcache_mp.kv import SharedMemoryKVStore
+from lmcache_mp.kv import SharedMemoryKVStore, connect
 from lmcache_mp.kv._chunk import HEADER_SIZE
 from lmcache_mp.kv._layout import resolve_dtype
 from tests._fakes import FakeEngine, kv_for
+from tests._redis_server import RedisServer, running
 from tests._store_util import StoreFactory, bits, kv_of
 
 C = 4
@@ -148,23 +151,23 @@ import lmcache_mp.batch as lmc_batch, lmcache_mp.stream as lmc_stream
 from lmcache_mp.kv import connect
 from tests._fakes import FakeEngine
 ctx = connect({url!r}, chunk_size={chunk})
-batch = lmc_batch.LMCacheBatchedStream("thread")
+batch = lmc_batch.LMCacheBatchedStream("thread", pin_lease={lease})
 for prompt in {prompts!r}:
     batch.add(lmc_stream.create_request(ctx, FakeEngine(ctx), prompt))
-batch.prefill({{}})
+{then}
 print("ready", flush=True)
 time.sleep(60)
 """
 
 
-def test_a_killed_batchs_pins_are_reclaimed(stores: StoreFactory) -> None:
-    """A batch whose process is SIGKILLed leaves its pins behind; the next
-    store that needs room drops them and evicts its KV."""
-    ctx = stores.connect(
-        "shm:///pins-killed", chunk_size=C, capacity_bytes=len(PROMPTS) * 2 * CHUNK
-    )
+@contextlib.contextmanager
+def _killed_batch(
+    ctx: Any, prompts: list[list[int]], then: str, lease: float
+) -> Iterator[None]:
+    """A child process opens a batch of ``prompts`` on ``ctx``, runs
+    ``then``, and is SIGKILLed when the block ends."""
     script = _CRASHED_BATCH.format(
-        cwd=os.getcwd(), url=ctx.url, chunk=C, prompts=PROMPTS
+        cwd=os.getcwd(), url=ctx.url, chunk=C, prompts=prompts, then=then, lease=lease
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(script)],
@@ -173,12 +176,22 @@ def test_a_killed_batchs_pins_are_reclaimed(stores: StoreFactory) -> None:
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        assert ctx.stats().pinned_bytes == len(PROMPTS) * 2 * CHUNK
+        yield
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=15)
     finally:
         proc.kill()
         proc.wait(timeout=15)
+
+
+def test_a_killed_batchs_pins_are_reclaimed(stores: StoreFactory) -> None:
+    """A batch whose process is SIGKILLed leaves its pins behind; the next
+    store that needs room drops them and evicts its KV."""
+    ctx = stores.connect(
+        "shm:///pins-killed", chunk_size=C, capacity_bytes=len(PROMPTS) * 2 * CHUNK
+    )
+    with _killed_batch(ctx, PROMPTS, "batch.prefill({})", 600.0):
+        assert ctx.stats().pinned_bytes == len(PROMPTS) * 2 * CHUNK
     other = list(range(500, 500 + 2 * C))
     assert ctx.store(kv_for(other), other)
     assert ctx.stats().pinned_bytes == 0
@@ -209,3 +222,54 @@ def test_half_precision_edits_round_trip_bit_exactly(
     got = ctx.retrieve(tokens[::2])
     assert got is not None and got.dtype == kv.dtype
     assert np.array_equal(bits(got), bits((kv * 2)[:, :, ::2]))
+
+
+#: A Redis chunk of kv_of(..., layers=8, width=1024): 256 KiB of payload.
+BIG = {"layers": 8, "width": 1024}
+
+
+def test_pinned_kv_survives_a_store_past_redis_capacity() -> None:
+    """On Redis, a store that would push pinned KV out fails with
+    KVCapacityError (the store evicts before the server would), and the
+    pinned streams still modify."""
+    with running(maxmemory="8mb") as server, _redis_store(server, "pins") as ctx:
+        prompts = [list(range(10 * i, 10 * i + 2 * C)) for i in range(2)]
+        for prompt in prompts:
+            ctx.store(kv_of(prompt, **BIG), prompt)
+        with lmc_batch.LMCacheBatchedStream("thread") as batch:
+            for prompt in prompts:
+                batch.add(lmc_stream.create_request(ctx, FakeEngine(ctx), prompt))
+            assert ctx.stats().pinned_bytes > 2 * 2 * 256 * 1024
+            other = list(range(500, 500 + 24 * C))
+            with pytest.raises(KVCapacityError, match="maxmemory"):
+                ctx.store(kv_of(other, **BIG), other)
+            batch.modify(_double, retrieve_timeout=1.0)
+        for prompt in prompts:
+            got = ctx.retrieve(prompt)
+            assert got is not None
+            assert np.array_equal(bits(got), bits(kv_of(prompt, **BIG) * 2))
+
+
+def test_a_killed_batchs_redis_pins_expire() -> None:
+    """A batch whose process is SIGKILLed stops renewing its pins: after
+    its lease they are gone and its KV can be evicted."""
+    with running(maxmemory="4mb") as server, _redis_store(server, "killed") as ctx:
+        prompts = [list(range(10 * i, 10 * i + 2 * C)) for i in range(2)]
+        for prompt in prompts:
+            ctx.store(kv_of(prompt, **BIG), prompt)
+        with _killed_batch(ctx, prompts, "", 2.0):
+            assert ctx.stats().pinned_bytes > 0
+        time.sleep(3.0)  # the 2 s lease runs out
+        assert ctx.stats().pinned_bytes == 0
+        other = list(range(500, 500 + 8 * C))
+        assert ctx.store(kv_of(other, **BIG), other)
+
+
+@contextlib.contextmanager
+def _redis_store(server: RedisServer, prefix: str) -> Iterator[Any]:
+    """A store on ``server`` with 4-token chunks, destroyed while it runs."""
+    ctx = connect(server.url(prefix), chunk_size=C)
+    try:
+        yield ctx
+    finally:
+        ctx.destroy()

@@ -33,7 +33,6 @@ __all__ = [
     "kv_layout",
     "require_layout",
     "warn_corrupt",
-    "warn_unfit",
 ]
 
 
@@ -200,26 +199,6 @@ def warn_corrupt(where: str, exc: CorruptChunk, stacklevel: int = 3) -> None:
         f"{where}: corrupt chunk ({exc}); treated as a miss and removed",
         CorruptChunkWarning,
         stacklevel=stacklevel,
-    )
-
-
-def warn_unfit(url: str, unfit: int, total: int, capacity: str) -> None:
-    """Warn that chunks were not stored for lack of room.
-
-    Args:
-        url: The store's URL.
-        unfit: Chunks not stored.
-        total: Chunks there were to store.
-        capacity: The capacity, in words (e.g. ``"100 bytes"``).
-
-    The warning points at the call of the store's public method (which
-    calls this through one private method).
-    """
-    warnings.warn(
-        f"store {url}: {unfit} of {total} new chunks do not fit in its capacity "
-        f"of {capacity}; not stored",
-        RuntimeWarning,
-        stacklevel=4,
     )
 
 

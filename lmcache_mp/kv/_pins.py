@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import psutil
 
 __all__ = [
+    "DEFAULT_LEASE_S",
     "PinOwner",
     "PinScope",
     "current_scope",

@@ -21,18 +21,19 @@ from typing import TYPE_CHECKING, Any
 import numpy.typing as npt
 
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
-from lmcache_mp.errors import KVStoreError
+from lmcache_mp.errors import KVCapacityError, KVStoreError
 from lmcache_mp.kv._chunk import CorruptChunk, chunk_views, encode_chunk
 from lmcache_mp.kv._common import (
     StoreHandle,
     as_bytes,
+    capacity_error,
     join_payloads,
     kv_layout,
     warn_corrupt,
-    warn_unfit,
 )
 from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._layout import Layout, encode_layout
+from lmcache_mp.kv._pins import PinOwner, current_scope
 from lmcache_mp.kv._redis_conn import (
     RedisLink,
     RedisTarget,
@@ -51,6 +52,14 @@ from lmcache_mp.kv._redis_ops import (
     set_values,
     stage_values,
     valid_prefix,
+)
+from lmcache_mp.kv._redis_pins import (
+    clear_marks,
+    is_marked,
+    live_pins,
+    make_room,
+    remove_pins,
+    set_pin,
 )
 from lmcache_mp.kv._shm import DEFAULT_CHUNK_SIZE
 from lmcache_mp.kv._staged import StagedChunks
@@ -152,6 +161,10 @@ class RedisKVStore(StoreHandle):
         return ":".join(
             (self._link.target.prefix, self._kind.value, *(parts or ("layout",)))
         )
+
+    def _base(self) -> str:
+        """This kind's namespace: ``{prefix}:{kind}``."""
+        return f"{self._link.target.prefix}:{self._kind.value}"
 
     def _chunk_key(self, key: bytes) -> str:
         return self._key("c", key.hex())
@@ -276,9 +289,11 @@ class RedisKVStore(StoreHandle):
         """Store every full chunk of ``kv`` that is not cached yet.
 
         Chunks already cached count as used (TOUCH, for the server's LRU);
-        new ones are written with SET NX, each atomically. Chunks the
-        server refuses for lack of memory (after evicting what it can) are
-        not stored, with a ``RuntimeWarning``. A value at a chunk's key that
+        new ones are written with SET NX, each atomically. Before the
+        server would evict, the store evicts least recently used chunks
+        itself, never those pinned by open batches; what does not fit even
+        then raises :class:`KVCapacityError` at once (issue #20). A value at
+        a chunk's key that
         is not a string (planted) is replaced, as a corrupt chunk.
 
         Args:
@@ -300,6 +315,7 @@ class RedisKVStore(StoreHandle):
             TypeError: If ``kv`` is not an array, ``tokens`` not ints or
                 ``cache_salt`` not a str.
             ValueError: If a token id is negative.
+            KVCapacityError: If the new chunks do not fit.
             KVStoreConnectionError: If the server cannot be reached.
             KVStoreError: If the store is closed or the server fails.
         """
@@ -355,6 +371,9 @@ class RedisKVStore(StoreHandle):
             )
             for i in todo
         }
+        hexes = [key.hex() for key in keys]
+        new = todo if staged else missing
+        self._make_room(conn, hexes, sum(len(values[names[i]]) for i in new))
         with self._link.errors():
             if staged:
                 moves = stage_values(conn, self._key("tmp"), list(values.items()))
@@ -363,11 +382,44 @@ class RedisKVStore(StoreHandle):
             nx = {names[i] for i in missing}
             items = [(name, value, name in nx) for name, value in values.items()]
             written, refused = set_values(conn, items)
+            clear_marks(conn, self._base(), [hexes[i] for i in todo])
         self._counts.add(writes=written)
         if refused:
-            capacity = f"{self.capacity_bytes} bytes (the server's maxmemory)"
-            warn_unfit(self._link.where, refused, len(todo), capacity)
+            raise self._capacity_error(sum(map(len, values.values())), -1)
         return written, []
+
+    def _make_room(self, conn: redis.Redis, hexes: list[str], need: int) -> None:
+        """Pin the chunks being written to the current stream's batch, then
+        evict unpinned chunks so that ``need`` bytes fit (issue #20).
+
+        Raises:
+            KVCapacityError: If they do not fit even so (nothing written).
+        """
+        scope = current_scope()
+        base = self._base()
+        with self._link.errors():
+            if scope is not None and scope.owner is not None:
+                set_pin(conn, base, scope.owner, scope.stream_id, hexes, add=True)
+            maxmemory = server_memory(conn).maxmemory
+            room = make_room(conn, base, need, maxmemory, set(hexes))
+        self._counts.add(evictions=room.evicted, evicted_bytes=room.evicted_bytes)
+        if not room.fits:
+            raise self._capacity_error(need, room.pinned, room.used, maxmemory)
+
+    def _capacity_error(
+        self, asked: int, pinned: int, used: int = -1, maxmemory: int = -1
+    ) -> KVCapacityError:
+        if maxmemory < 0:
+            maxmemory = self.capacity_bytes
+        return capacity_error(
+            self._link.where,
+            current_scope(),
+            asked,
+            pinned,
+            used,
+            maxmemory,
+            "Raise the server's maxmemory (CONFIG SET maxmemory BYTES)",
+        )
 
     def _publish(self, moves: Sequence[tuple[str, str]], keep: bool) -> None:
         """Move staged chunks onto their chunks in one transaction (``keep``),
@@ -415,9 +467,63 @@ class RedisKVStore(StoreHandle):
             sizes = chunk_bytes(conn, self._key("c", "*"))
             capacity = server_memory(conn).maxmemory
             evictions = self._link.evictions(conn)
+            pinned = live_pins(conn, self._base())
+            pinned_sizes = chunk_bytes(conn, self._key("c", "*"), pinned)
+            used = int(conn.info("memory")["used_memory"]) if capacity else 0
         return self._counts.snapshot(
-            len(sizes), sum(sizes), capacity_bytes=capacity, evictions=evictions
+            len(sizes),
+            sum(sizes),
+            capacity_bytes=capacity,
+            # The server's evictions and the store's own (made before the
+            # server would evict, sparing pinned chunks).
+            evictions=evictions + self._counts.get("evictions"),
+            pinned_bytes=sum(pinned_sizes),
+            free_bytes=max(0, capacity - used) if capacity else 0,
         )
+
+    def pin(
+        self, owner: PinOwner, stream_id: str, tokens: Tokens, cache_salt: str = ""
+    ) -> None:
+        """As :meth:`SharedMemoryKVStore.pin
+        <lmcache_mp.kv.SharedMemoryKVStore.pin>`; the pin is a key that
+        expires after the batch's lease unless pinned again (issue #20).
+
+        Raises:
+            KVStoreConnectionError: If the server cannot be reached.
+            KVStoreError: If the store is closed or the server fails.
+        """
+        keys = chunk_keys(token_array(tokens), self._chunk_size, cache_salt)
+        with self._link.errors():
+            conn = self._link.open_client()
+            set_pin(
+                conn, self._base(), owner, stream_id, [k.hex() for k in keys], False
+            )
+
+    def unpin(self, owner: PinOwner, stream_id: str | None = None) -> None:
+        """Release the pins of one stream of a batch, or all of the batch's.
+
+        Raises:
+            KVStoreConnectionError: If the server cannot be reached.
+            KVStoreError: If the store is closed or the server fails.
+        """
+        with self._link.errors():
+            remove_pins(self._link.open_client(), self._base(), owner, stream_id)
+
+    def was_evicted(self, tokens: Tokens, cache_salt: str = "", start: int = 0) -> bool:
+        """As :meth:`SharedMemoryKVStore.was_evicted
+        <lmcache_mp.kv.SharedMemoryKVStore.was_evicted>`: the store evicted
+        it (the server's own evictions leave no mark).
+
+        Raises:
+            KVStoreConnectionError: If the server cannot be reached.
+            KVStoreError: If the store is closed or the server fails.
+        """
+        keys = list(chunk_keys(token_array(tokens), self._chunk_size, cache_salt))
+        index = start // self._chunk_size
+        if index >= len(keys):
+            return False
+        with self._link.errors():
+            return is_marked(self._link.open_client(), self._base(), keys[index].hex())
 
     def close(self) -> None:
         """Stop using the server through this handle; the store stays.

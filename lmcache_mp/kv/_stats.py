@@ -70,6 +70,11 @@ class Counters:
             for name, delta in deltas.items():
                 self._counts[name] += delta
 
+    def get(self, name: str) -> int:
+        """One count."""
+        with self._lock:
+            return self._counts[name]
+
     def snapshot(
         self,
         chunks: int,
