@@ -145,7 +145,8 @@ class StreamState:
     text_parts: list[str] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     done: bool = False
-    pin: PinOwner | None = None
+    # Which batch holds the stream is not part of what the stream is.
+    pin: PinOwner | None = field(default=None, compare=False, repr=False)
 
     def copy(self) -> StreamState:
         """Return an independent copy (the lists are copied too)."""
