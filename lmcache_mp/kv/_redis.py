@@ -21,19 +21,17 @@ from typing import TYPE_CHECKING, Any
 import numpy.typing as npt
 
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
-from lmcache_mp.errors import KVCapacityError, KVStoreError
+from lmcache_mp.errors import KVStoreError
 from lmcache_mp.kv._chunk import CorruptChunk, chunk_views, encode_chunk
 from lmcache_mp.kv._common import (
     StoreHandle,
     as_bytes,
-    capacity_error,
     join_payloads,
     kv_layout,
     warn_corrupt,
 )
 from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._layout import Layout, encode_layout
-from lmcache_mp.kv._pins import PinOwner, current_scope
 from lmcache_mp.kv._redis_conn import (
     RedisLink,
     RedisTarget,
@@ -53,13 +51,10 @@ from lmcache_mp.kv._redis_ops import (
     stage_values,
     valid_prefix,
 )
+from lmcache_mp.kv._redis_pinning import KeyPins
 from lmcache_mp.kv._redis_pins import (
     clear_marks,
-    is_marked,
     live_pins,
-    make_room,
-    remove_pins,
-    set_pin,
 )
 from lmcache_mp.kv._shm import DEFAULT_CHUNK_SIZE
 from lmcache_mp.kv._staged import StagedChunks
@@ -75,7 +70,7 @@ def _reopen(url: str, chunk_size: int, kind: LMCacheSDKCacheKind) -> RedisKVStor
     return RedisKVStore(url, chunk_size=chunk_size, kind=kind)
 
 
-class RedisKVStore(StoreHandle):
+class RedisKVStore(KeyPins, StoreHandle):
     """A KV context whose chunks are values on a Redis server.
 
     The semantics of :class:`~lmcache_mp.kv.SharedMemoryKVStore` (salted
@@ -388,39 +383,6 @@ class RedisKVStore(StoreHandle):
             raise self._capacity_error(sum(map(len, values.values())), -1)
         return written, []
 
-    def _make_room(self, conn: redis.Redis, hexes: list[str], need: int) -> None:
-        """Pin the chunks being written to the current stream's batch, then
-        evict unpinned chunks so that ``need`` bytes fit (issue #20).
-
-        Raises:
-            KVCapacityError: If they do not fit even so (nothing written).
-        """
-        scope = current_scope()
-        base = self._base()
-        with self._link.errors():
-            if scope is not None and scope.owner is not None:
-                set_pin(conn, base, scope.owner, scope.stream_id, hexes, add=True)
-            maxmemory = server_memory(conn).maxmemory
-            room = make_room(conn, base, need, maxmemory, set(hexes))
-        self._counts.add(evictions=room.evicted, evicted_bytes=room.evicted_bytes)
-        if not room.fits:
-            raise self._capacity_error(need, room.pinned, room.used, maxmemory)
-
-    def _capacity_error(
-        self, asked: int, pinned: int, used: int = -1, maxmemory: int = -1
-    ) -> KVCapacityError:
-        if maxmemory < 0:
-            maxmemory = self.capacity_bytes
-        return capacity_error(
-            self._link.where,
-            current_scope(),
-            asked,
-            pinned,
-            used,
-            maxmemory,
-            "Raise the server's maxmemory (CONFIG SET maxmemory BYTES)",
-        )
-
     def _publish(self, moves: Sequence[tuple[str, str]], keep: bool) -> None:
         """Move staged chunks onto their chunks in one transaction (``keep``),
         or delete them; each is a no-op the second time.
@@ -480,50 +442,6 @@ class RedisKVStore(StoreHandle):
             pinned_bytes=sum(pinned_sizes),
             free_bytes=max(0, capacity - used) if capacity else 0,
         )
-
-    def pin(
-        self, owner: PinOwner, stream_id: str, tokens: Tokens, cache_salt: str = ""
-    ) -> None:
-        """As :meth:`SharedMemoryKVStore.pin
-        <lmcache_mp.kv.SharedMemoryKVStore.pin>`; the pin is a key that
-        expires after the batch's lease unless pinned again (issue #20).
-
-        Raises:
-            KVStoreConnectionError: If the server cannot be reached.
-            KVStoreError: If the store is closed or the server fails.
-        """
-        keys = chunk_keys(token_array(tokens), self._chunk_size, cache_salt)
-        with self._link.errors():
-            conn = self._link.open_client()
-            set_pin(
-                conn, self._base(), owner, stream_id, [k.hex() for k in keys], False
-            )
-
-    def unpin(self, owner: PinOwner, stream_id: str | None = None) -> None:
-        """Release the pins of one stream of a batch, or all of the batch's.
-
-        Raises:
-            KVStoreConnectionError: If the server cannot be reached.
-            KVStoreError: If the store is closed or the server fails.
-        """
-        with self._link.errors():
-            remove_pins(self._link.open_client(), self._base(), owner, stream_id)
-
-    def was_evicted(self, tokens: Tokens, cache_salt: str = "", start: int = 0) -> bool:
-        """As :meth:`SharedMemoryKVStore.was_evicted
-        <lmcache_mp.kv.SharedMemoryKVStore.was_evicted>`: the store evicted
-        it (the server's own evictions leave no mark).
-
-        Raises:
-            KVStoreConnectionError: If the server cannot be reached.
-            KVStoreError: If the store is closed or the server fails.
-        """
-        keys = list(chunk_keys(token_array(tokens), self._chunk_size, cache_salt))
-        index = start // self._chunk_size
-        if index >= len(keys):
-            return False
-        with self._link.errors():
-            return is_marked(self._link.open_client(), self._base(), keys[index].hex())
 
     def close(self) -> None:
         """Stop using the server through this handle; the store stays.

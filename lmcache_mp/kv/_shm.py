@@ -44,14 +44,9 @@ from lmcache_mp.kv._files import (
 )
 from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._layout import Layout, load_layout, publish_layout
-from lmcache_mp.kv._pinfiles import (
-    clear_evicted,
-    is_evicted,
-    live_pins,
-    remove_pins,
-    write_pin,
-)
-from lmcache_mp.kv._pins import PinOwner, current_scope
+from lmcache_mp.kv._pinfiles import clear_evicted, live_pins, write_pin
+from lmcache_mp.kv._pins import current_scope
+from lmcache_mp.kv._shm_pins import FilePins
 from lmcache_mp.kv._staged import StagedChunks
 from lmcache_mp.kv._stats import Counters, StoreStats
 
@@ -73,7 +68,7 @@ def _reopen(
     )
 
 
-class SharedMemoryKVStore(StoreHandle):
+class SharedMemoryKVStore(FilePins, StoreHandle):
     """A KV context whose chunks are files in a private shared directory.
 
     Every process on the machine that opens the same directory shares the
@@ -464,61 +459,6 @@ class SharedMemoryKVStore(StoreHandle):
             pinned_bytes=sum(e.size for e in entries if e.name in pinned),
             free_bytes=max(0, self._usage.capacity - used),
         )
-
-    def _names(self, tokens: Tokens, cache_salt: str) -> list[str]:
-        """The chunk file names of every full chunk of ``tokens``."""
-        keys = chunk_keys(token_array(tokens), self._chunk_size, cache_salt)
-        return [key.hex() + CHUNK_SUFFIX for key in keys]
-
-    def pin(
-        self, owner: PinOwner, stream_id: str, tokens: Tokens, cache_salt: str = ""
-    ) -> None:
-        """Pin the chunks of ``tokens`` for one stream of a batch, replacing
-        what was pinned for it; eviction never removes pinned chunks.
-
-        A batch calls this for its member streams (issue #20); the pin lasts
-        until :meth:`unpin`, or until the process holding the batch is gone.
-
-        Args:
-            owner: The batch.
-            stream_id: The stream.
-            tokens: Its tokens (chunks not stored yet are pinned for when
-                they are).
-            cache_salt: Its salt.
-
-        Raises:
-            KVStoreError: If the store is closed or the pin cannot be written.
-        """
-        fd = self._dir_fd()
-        try:
-            write_pin(fd, owner, stream_id, self._names(tokens, cache_salt), False)
-        except OSError as exc:
-            raise KVStoreError(f"{self._url}: cannot pin KV: {exc}") from exc
-
-    def unpin(self, owner: PinOwner, stream_id: str | None = None) -> None:
-        """Release the pins of one stream of a batch, or all of the batch's.
-
-        Raises:
-            KVStoreError: If the store is closed.
-        """
-        remove_pins(self._dir_fd(), owner, stream_id)
-
-    def was_evicted(self, tokens: Tokens, cache_salt: str = "", start: int = 0) -> bool:
-        """Whether the chunk of ``tokens`` that begins at token ``start`` was
-        evicted and not stored since: the KV was there and will not come
-        back by waiting (issue #20).
-
-        Args:
-            tokens: The token ids.
-            cache_salt: Isolation salt.
-            start: A multiple of ``chunk_size``.
-
-        Raises:
-            KVStoreError: If the store is closed.
-        """
-        names = self._names(tokens, cache_salt)
-        index = start // self._chunk_size
-        return index < len(names) and is_evicted(self._dir_fd(), names[index])
 
     def close(self) -> None:
         """Release the directory; remove it if this handle owns it.
