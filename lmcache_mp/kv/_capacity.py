@@ -11,6 +11,7 @@ fit besides them is reported, for the store to refuse (issue #20).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -22,6 +23,7 @@ import psutil
 from lmcache_mp.errors import KVStoreError
 from lmcache_mp.kv._files import list_chunks
 from lmcache_mp.kv._pinfiles import live_pins, mark_evicted
+from lmcache_mp.kv._recycle import list_free, retire
 
 __all__ = ["Room", "Usage", "default_capacity"]
 
@@ -77,10 +79,10 @@ def evict_lru(
 ) -> tuple[int, int, int, int]:
     """Remove least recently used unpinned chunks until ``need`` more bytes fit.
 
-    Nothing is removed when they would not fit even then. Recency is the
-    file's mtime, which a hit refreshes. Processes evicting
-    at the same time may remove the same file; only removals that succeed
-    here are counted. Each removal leaves an eviction mark.
+    Nothing is removed when they would not fit even then. Free files
+    (:mod:`~lmcache_mp.kv._recycle`) count as used and go first. Recency is
+    the file's mtime, which a hit refreshes. An evicted chunk is retired
+    for reuse and leaves an eviction mark.
 
     Args:
         dir_fd: The store directory.
@@ -94,7 +96,8 @@ def evict_lru(
         nothing had to be evicted).
     """
     entries = list_chunks(dir_fd)
-    used = sum(e.size for e in entries)
+    free = list_free(dir_fd)
+    used = sum(e.size for e in entries) + sum(e.size for e in free)
     if used + need <= capacity:
         return 0, 0, used, -1
     pinned_names = live_pins(dir_fd)
@@ -102,6 +105,14 @@ def evict_lru(
     held = sum(e.size for e in entries if e.name in keep or e.name in pinned_names)
     if held + need > capacity:
         return 0, 0, used, pinned  # cannot fit: evict nothing for nothing
+    # Free files go first (removed); then chunks, retired for reuse by the
+    # write that needs the room (the bytes stay, as that write's).
+    for entry in free:
+        if used + need <= capacity:
+            break
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry.name, dir_fd=dir_fd)
+        used -= entry.size
     gone: list[str] = []
     freed = 0
     for entry in sorted(entries, key=lambda e: (e.mtime_ns, e.name)):
@@ -109,12 +120,9 @@ def evict_lru(
             break
         if entry.name in keep or entry.name in pinned_names:
             continue
-        try:
-            os.unlink(entry.name, dir_fd=dir_fd)
-            gone.append(entry.name)
-            freed += entry.size
-        except FileNotFoundError:
-            pass
+        retire(dir_fd, entry.name)
+        gone.append(entry.name)
+        freed += entry.size
         used -= entry.size
     mark_evicted(dir_fd, gone)
     return len(gone), freed, used, pinned

@@ -52,6 +52,7 @@ import numpy.typing as npt
 
 from lmcache_mp.kv._files import temp_name
 from lmcache_mp.kv._layout import Layout, dtype_code
+from lmcache_mp.kv._recycle import claim, retire_replaced
 
 __all__ = [
     "DIGEST_BYTES",
@@ -313,11 +314,14 @@ def write_chunk(
     chunk_size: int,
     *,
     publish: bool = True,
+    free: list[str] | None = None,
 ) -> str:
     """Write a chunk atomically: a temp file, then a rename onto ``name``.
 
     A reader sees either no file, a previous complete file, or this one
-    complete. The file's mtime is set from the fine-grained clock so that
+    complete. The temp file is a free file claimed for reuse when there is
+    one (:mod:`~lmcache_mp.kv._recycle`), and a chunk it replaces is kept
+    for reuse. The file's mtime is set from the fine-grained clock so that
     least-recently-used ordering does not tie at the kernel's coarse tick.
 
     Args:
@@ -329,6 +333,7 @@ def write_chunk(
         chunk_size: The store's chunk size.
         publish: Rename the temp file onto ``name`` now; otherwise leave it
             for the caller to rename (a staged write).
+        free: Names of free files to try to claim; those tried are removed.
 
     Returns:
         The temp file's name (already renamed when ``publish``).
@@ -337,11 +342,15 @@ def write_chunk(
         OSError: If the file cannot be written (e.g. the filesystem is full).
     """
     header = encode_header(key, payload, layout, chunk_size)
-    tmp = temp_name()
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    expected = len(header) + sum(len(v) for v in payload)
+    claimed = claim(dir_fd, free, expected) if free else None
+    if claimed is None:
+        tmp = temp_name()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    else:
+        tmp, fd = claimed
     try:
-        expected = len(header) + sum(len(v) for v in payload)
         written = _transfer(os.writev, fd, [memoryview(header), *payload])
         if written != expected:
             raise OSError(f"short write: {written} of {expected} bytes")
@@ -353,21 +362,36 @@ def write_chunk(
         raise
     os.close(fd)
     if publish:
-        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        retire_replaced(dir_fd, tmp, name)
     return tmp
 
 
-def _discard(dir_fd: int, name: str, fd: int) -> None:
-    """Remove ``name`` if it is still the file open as ``fd``.
+def _discard(dir_fd: int, name: str, fd: int) -> bool:
+    """Remove ``name`` if it is still the file open as ``fd``; return
+    whether it was.
 
     A concurrent writer may have renamed a good chunk onto ``name`` since it
-    was opened; that one is kept.
+    was opened (or recycled the file that was opened); that one is kept.
     """
-    with contextlib.suppress(OSError):
+    try:
         mine = os.fstat(fd)
         current = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        if (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino):
-            os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        return False
+    if (current.st_dev, current.st_ino) != (mine.st_dev, mine.st_ino):
+        return False
+    with contextlib.suppress(OSError):
+        os.unlink(name, dir_fd=dir_fd)
+    return True
+
+
+class _Moved(Exception):
+    """The chunk read changed under the reader: it was replaced or
+    recycled meanwhile, so the name holds another file now (or none)."""
+
+
+# Reads of a chunk that keeps changing under the reader, before giving up.
+_READ_TRIES = 3
 
 
 def read_chunk(
@@ -395,6 +419,28 @@ def read_chunk(
         FileNotFoundError: If there is no such chunk (a miss).
         CorruptChunk: If the file is not a valid chunk of this key.
     """
+    for _ in range(_READ_TRIES - 1):
+        try:
+            _read_once(dir_fd, name, key, out, layout, chunk_size)
+        except _Moved:
+            continue
+        return
+    try:
+        _read_once(dir_fd, name, key, out, layout, chunk_size)
+    except _Moved as exc:
+        raise CorruptChunk("changed under every read") from exc
+
+
+def _read_once(
+    dir_fd: int,
+    name: str,
+    key: bytes,
+    out: list[memoryview],
+    layout: Layout,
+    chunk_size: int,
+) -> None:
+    """:func:`read_chunk`, once; :class:`_Moved` when the file was replaced
+    or recycled while it was read (a check failed for that reason)."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(name, flags, dir_fd=dir_fd)
@@ -419,8 +465,9 @@ def read_chunk(
         now = time.time_ns()
         with contextlib.suppress(OSError):
             os.utime(fd, ns=(now, now))
-    except CorruptChunk:
-        _discard(dir_fd, name, fd)
+    except CorruptChunk as exc:
+        if not _discard(dir_fd, name, fd):
+            raise _Moved() from exc
         raise
     finally:
         os.close(fd)

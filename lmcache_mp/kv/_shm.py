@@ -46,6 +46,7 @@ from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._layout import Layout, load_layout, publish_layout
 from lmcache_mp.kv._pinfiles import clear_evicted, live_pins, write_pin
 from lmcache_mp.kv._pins import current_scope
+from lmcache_mp.kv._recycle import list_free, retire, retire_replaced
 from lmcache_mp.kv._shm_pins import FilePins
 from lmcache_mp.kv._staged import StagedChunks
 from lmcache_mp.kv._stats import Counters, StoreStats
@@ -356,14 +357,15 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
         return StagedChunks(self, tuple(moves))
 
     def _publish(self, moves: Sequence[tuple[str, str]], keep: bool) -> None:
-        """Rename staged files onto their chunks (``keep``) or remove them."""
+        """Rename staged files onto their chunks (``keep``) or drop them;
+        the files replaced or dropped are kept for reuse."""
         fd = self._dir_fd()
         for tmp, name in moves:
             with contextlib.suppress(FileNotFoundError):
                 if keep:
-                    os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+                    retire_replaced(fd, tmp, name)
                 else:
-                    os.unlink(tmp, dir_fd=fd)
+                    retire(fd, tmp)
 
     def _write(
         self,
@@ -414,11 +416,19 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
             )
         raw = as_bytes(arr, layout)
         moves = []
+        free = [entry.name for entry in list_free(fd)]
         for index in missing + rewrite:
             views = chunk_views(raw, index * size, (index + 1) * size)
             try:
                 tmp = write_chunk(
-                    fd, names[index], keys[index], views, layout, size, publish=publish
+                    fd,
+                    names[index],
+                    keys[index],
+                    views,
+                    layout,
+                    size,
+                    publish=publish,
+                    free=free,
                 )
             except OSError as exc:
                 raise KVStoreError(
@@ -452,12 +462,13 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
         entries = list_chunks(fd)
         pinned = live_pins(fd)
         used = sum(e.size for e in entries)
+        spare = sum(e.size for e in list_free(fd))
         return self._counts.snapshot(
             len(entries),
             used,
             capacity_bytes=self._usage.capacity,
             pinned_bytes=sum(e.size for e in entries if e.name in pinned),
-            free_bytes=max(0, self._usage.capacity - used),
+            free_bytes=max(0, self._usage.capacity - used - spare),
         )
 
     def close(self) -> None:
