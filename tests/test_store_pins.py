@@ -10,7 +10,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +22,7 @@ import pytest
 import lmcache_mp.batch as lmc_batch
 import lmcache_mp.stream as lmc_stream
 from lmcache_mp.errors import (
+    CorruptChunkWarning,
     KVCapacityError,
     KVEvictedError,
     LMCacheBatchedStreamError,
@@ -273,3 +276,42 @@ def _redis_store(server: RedisServer, prefix: str) -> Iterator[Any]:
         yield ctx
     finally:
         ctx.destroy()
+
+
+def test_readers_never_see_a_recycled_chunk_change_under_them(
+    stores: StoreFactory,
+) -> None:
+    """While a writer commits two versions of a KV in turn (each commit
+    recycles the replaced files), every retrieve returns, chunk by chunk,
+    one version or the other, and no chunk is ever reported corrupt."""
+    ctx = stores.connect(chunk_size=C)
+    tokens = list(range(4 * C))
+    versions = [kv_of(tokens, seed=seed, **BIG) for seed in (1, 2)]
+    ctx.store(versions[0], tokens)
+    stop = threading.Event()
+
+    def write() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            ctx.stage(versions[n % 2], tokens).commit()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CorruptChunkWarning)
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                got = ctx.retrieve(tokens)
+                assert got is not None and got.shape[2] == 4 * C
+                for start in range(0, 4 * C, C):
+                    piece = bits(got[:, :, start : start + C])
+                    assert any(
+                        np.array_equal(piece, bits(v[:, :, start : start + C]))
+                        for v in versions
+                    )
+    finally:
+        stop.set()
+        writer.join(timeout=30)
+    assert not writer.is_alive()
