@@ -385,11 +385,6 @@ def _discard(dir_fd: int, name: str, fd: int) -> bool:
     return True
 
 
-class _Moved(Exception):
-    """The chunk read changed under the reader: it was replaced or
-    recycled meanwhile, so the name holds another file now (or none)."""
-
-
 # Reads of a chunk that keeps changing under the reader, before giving up.
 _READ_TRIES = 3
 
@@ -405,7 +400,9 @@ def read_chunk(
     """Read and verify a chunk straight into ``out``; refresh its mtime.
 
     A chunk that fails a check is removed (so it can be stored again) and
-    reported as :class:`CorruptChunk`; ``out`` then holds garbage.
+    reported as :class:`CorruptChunk`; ``out`` then holds garbage. A chunk
+    that fails because it was replaced or recycled while it was read (the
+    name holds another file now) is read again.
 
     Args:
         dir_fd: The store directory.
@@ -419,31 +416,40 @@ def read_chunk(
         FileNotFoundError: If there is no such chunk (a miss).
         CorruptChunk: If the file is not a valid chunk of this key.
     """
-    for _ in range(_READ_TRIES - 1):
+    size = chunk_file_size(layout, chunk_size)
+    for attempt in range(_READ_TRIES):
+        fd = _open_chunk(dir_fd, name)
         try:
-            _read_once(dir_fd, name, key, out, layout, chunk_size)
-        except _Moved:
-            continue
-        return
-    try:
-        _read_once(dir_fd, name, key, out, layout, chunk_size)
-    except _Moved as exc:
-        raise CorruptChunk("changed under every read") from exc
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                raise CorruptChunk(f"{st.st_size} bytes, expected {size}")
+            header = bytearray(HEADER_SIZE)
+            got = _transfer(os.readv, fd, [memoryview(header), *out])
+            if got != size:
+                raise CorruptChunk(f"read {got} bytes, expected {size}")
+            check_chunk(header, key, out, layout, chunk_size)
+            # The mtime is the recency that eviction orders by; best effort.
+            now = time.time_ns()
+            with contextlib.suppress(OSError):
+                os.utime(fd, ns=(now, now))
+            return
+        except CorruptChunk:
+            if _discard(dir_fd, name, fd) or attempt == _READ_TRIES - 1:
+                raise
+        finally:
+            os.close(fd)
 
 
-def _read_once(
-    dir_fd: int,
-    name: str,
-    key: bytes,
-    out: list[memoryview],
-    layout: Layout,
-    chunk_size: int,
-) -> None:
-    """:func:`read_chunk`, once; :class:`_Moved` when the file was replaced
-    or recycled while it was read (a check failed for that reason)."""
+def _open_chunk(dir_fd: int, name: str) -> int:
+    """Open a chunk file for reading, never through a symlink.
+
+    Raises:
+        FileNotFoundError: If there is no such chunk.
+        CorruptChunk: If a symlink stands there (it is removed).
+    """
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(name, flags, dir_fd=dir_fd)
+        return os.open(name, flags, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise
@@ -451,23 +457,3 @@ def _read_once(
         with contextlib.suppress(OSError):
             os.unlink(name, dir_fd=dir_fd)
         raise CorruptChunk("is a symlink") from exc
-    try:
-        st = os.fstat(fd)
-        size = chunk_file_size(layout, chunk_size)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            raise CorruptChunk(f"{st.st_size} bytes, expected {size}")
-        header = bytearray(HEADER_SIZE)
-        got = _transfer(os.readv, fd, [memoryview(header), *out])
-        if got != size:
-            raise CorruptChunk(f"read {got} bytes, expected {size}")
-        check_chunk(header, key, out, layout, chunk_size)
-        # The mtime is the recency that eviction orders by; best effort.
-        now = time.time_ns()
-        with contextlib.suppress(OSError):
-            os.utime(fd, ns=(now, now))
-    except CorruptChunk as exc:
-        if not _discard(dir_fd, name, fd):
-            raise _Moved() from exc
-        raise
-    finally:
-        os.close(fd)
