@@ -14,6 +14,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ from lmcache_mp.errors import (
     KVEvictedError,
     LMCacheBatchedStreamError,
 )
-from lmcache_mp.kv import SharedMemoryKVStore, connect
+from lmcache_mp.kv import SharedMemoryKVStore, _capacity, connect
 from lmcache_mp.kv._chunk import HEADER_SIZE
 from lmcache_mp.kv._layout import resolve_dtype
 from tests._fakes import FakeEngine, kv_for
@@ -315,3 +316,28 @@ def test_readers_never_see_a_recycled_chunk_change_under_them(
         stop.set()
         writer.join(timeout=30)
     assert not writer.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("total", "available", "disk", "expected"),
+    [
+        (24, 14, 19, 11),  # RAM bounds it: available less an eighth of the RAM
+        (24, 14, 6, 6),  # /dev/shm's free space bounds it
+        (2, 1, 8, 0.5),  # a small machine keeps at most half its free RAM
+    ],
+)
+def test_default_capacity_is_what_the_store_can_hold(
+    monkeypatch: pytest.MonkeyPatch,
+    total: float,
+    available: float,
+    disk: float,
+    expected: float,
+) -> None:
+    """The default capacity is the filesystem's free space, at most the
+    available RAM less a reserve (issue #20: not a quarter of free RAM)."""
+    gib = 2**30
+    memory = SimpleNamespace(total=int(total * gib), available=int(available * gib))
+    monkeypatch.setattr(_capacity.psutil, "virtual_memory", lambda: memory)
+    usage = SimpleNamespace(free=int(disk * gib))
+    monkeypatch.setattr(_capacity.shutil, "disk_usage", lambda path: usage)
+    assert _capacity.default_capacity("/dev/shm") == int(expected * gib)
