@@ -26,8 +26,9 @@ __all__ = ["contiguous", "empty_kv"]
 
 # Below this, a mapping costs more than the page faults it saves.
 _MIN_MAPPED = 4 << 20
-# Mappings a process keeps for reuse: two streams' KV in flight per worker.
-_KEEP = 4
+# Mappings a process keeps for reuse: a stream's retrieved KV and its
+# edit's copy (more would stay resident after a phase of many threads).
+_KEEP = 2
 # References to a pooled mapping when no array uses it: the pool's list
 # and sys.getrefcount's argument (an array holds one through its buffer).
 _IDLE_REFS = 2
