@@ -22,6 +22,7 @@ from lmcache_mp._core.batch_names import UpstreamNames
 from lmcache_mp._core.commit import commit, raise_failures
 from lmcache_mp._core.memory import modify_bound
 from lmcache_mp._core.phase import build_phase, check_stores
+from lmcache_mp._core.pinning import pin_stream, release
 from lmcache_mp._core.reports import ExecutorInfo, generate_report, modify_report
 from lmcache_mp._core.streambase import StreamBase
 from lmcache_mp._core.validate import select_streams
@@ -29,6 +30,7 @@ from lmcache_mp._util.arrays import check_array_type
 from lmcache_mp.errors import LMCacheBatchedStreamError
 from lmcache_mp.executors import PhaseExecutor, PhaseRun, Preload
 from lmcache_mp.executors._factory import make_executor
+from lmcache_mp.kv._pins import DEFAULT_LEASE_S, PinOwner
 from lmcache_mp.metrics import Metrics, get_formatter
 from lmcache_mp.stream import (
     ModifyFn,
@@ -75,6 +77,9 @@ class LMCacheBatchedStream(UpstreamNames):
             numpy for :mod:`lmcache_mp.stream` streams, torch (where
             installed) for :mod:`lmcache_mp.request` ones, as upstream
             0.5.6 hands its fns torch tensors.
+        pin_lease: Seconds the member streams' KV stays pinned in a store
+            that expires pins (Redis) if the batch stops renewing them (its
+            process died); each phase renews them (issue #20).
 
     Upstream 0.5.6's names (``request_streams``, ``get_request_stream``,
     ``run_request_streams``, ``modify_request_streams``) are the same
@@ -104,6 +109,7 @@ class LMCacheBatchedStream(UpstreamNames):
         max_in_flight: int | None = None,
         phase_timeout: float | None = None,
         array: str | None = None,
+        pin_lease: float = DEFAULT_LEASE_S,
     ) -> None:
         if array is not None:
             check_array_type(array)
@@ -119,8 +125,15 @@ class LMCacheBatchedStream(UpstreamNames):
         self._last_run: PhaseRun | None = None
         self._lock = threading.Lock()
         self._closed = False
-        # Stops the workers when an unclosed batch is collected or at exit.
-        self._finalizer = weakref.finalize(self, self._executor.close)
+        # The member streams' KV is pinned in their stores under this owner
+        # until the batch closes (issue #20).
+        self._pins = PinOwner.new(pin_lease)
+        self._pinned: dict[int, Any] = {}
+        # Stops the workers and releases the pins when an unclosed batch is
+        # collected or at exit.
+        self._finalizer = weakref.finalize(
+            self, release, self._executor, self._pinned, self._pins
+        )
 
     # -- registry --------------------------------------------------------------
 
@@ -143,6 +156,7 @@ class LMCacheBatchedStream(UpstreamNames):
         sid = stream._stream_id
         if sid in self.streams:
             raise LMCacheBatchedStreamError(f"stream {sid} is already in the batch")
+        pin_stream(stream, self._pins, self._pinned)
         self.streams[sid] = stream
 
     def get_stream(self, stream_id: str) -> StreamBase:
@@ -171,6 +185,8 @@ class LMCacheBatchedStream(UpstreamNames):
         self, ids: list[str], phase_timeout: float | None, **spec_args: Any
     ) -> tuple[float, dict[str, BaseException]]:
         """Run a phase over ``ids``; commit the successes; return failures."""
+        for sid in ids:
+            self.streams[sid].state.pin = self._pins
         spec, jobs = build_phase([self.streams[sid] for sid in ids], **spec_args)
         check_stores(spec, jobs)
         max_in_flight = self._modify_bound(ids) if spec.kind == "modify" else None
@@ -190,6 +206,10 @@ class LMCacheBatchedStream(UpstreamNames):
             self.perf_metrics,
             self.modify_metrics,
         )
+        for sid in ids:
+            # Exactly the committed tokens' KV: what a phase wrote for a
+            # stream that failed, or for tokens it no longer has, is let go.
+            pin_stream(self.streams[sid], self._pins, self._pinned)
         return duration, failures
 
     def _modify_bound(self, ids: list[str]) -> int | None:
@@ -500,7 +520,8 @@ class LMCacheBatchedStream(UpstreamNames):
     # -- lifecycle -----------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the executor's workers (not a caller-owned executor's)."""
+        """Stop the executor's workers (not a caller-owned executor's) and
+        release the pins on the member streams' KV (issue #20)."""
         self._closed = True
         self._finalizer()
 

@@ -20,7 +20,9 @@ __all__ = [
     "CacheKindError",
     "CorruptChunkWarning",
     "EngineHTTPError",
+    "KVCapacityError",
     "KVConfigError",
+    "KVEvictedError",
     "KVStoreAuthError",
     "KVStoreConnectionError",
     "KVStoreError",
@@ -230,6 +232,59 @@ class KVStoreAuthError(KVStoreConnectionError, KVStoreSecurityError):
     password the URL does not give. It is both a connection error (no
     usable connection) and a security error (the server said no); the
     message says "authentication" and never contains the password.
+    """
+
+
+class KVCapacityError(KVStoreError):
+    """Raised at once by a store call whose new chunks do not fit the store
+    even after evicting every chunk it may evict (issue #20).
+
+    The KV of the member streams of open batches is pinned and never
+    evicted; what cannot fit besides it is refused whole (no chunk of the
+    call is written) instead of being dropped. The message names the
+    stream, the bytes asked, pinned and allowed, and how to raise the
+    capacity.
+
+    Attributes:
+        stream_id: The stream whose store failed, or ``None`` outside one.
+        asked: Bytes the call needed to write.
+        pinned: Bytes the store holds pinned by open batches.
+        allowed: The store's capacity in bytes.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        stream_id: str | None = None,
+        asked: int = 0,
+        pinned: int = 0,
+        allowed: int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.stream_id = stream_id
+        self.asked = asked
+        self.pinned = pinned
+        self.allowed = allowed
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            type(self),
+            (str(self), self.stream_id, self.asked, self.pinned, self.allowed),
+        )
+
+
+class KVEvictedError(LMCacheStreamError, LookupError):
+    """Raised at once by a stream's retrieve (``retrieve_kv``, a modify)
+    when the store has evicted a chunk of its cached prefix (issue #20).
+
+    Polling for it would never succeed: the KV was there and is gone, so
+    the stream fails without waiting ``timeout``. Within an open batch the
+    store does not evict its members' KV, so this means the KV was lost
+    outside one (another process's store past capacity, or a store with
+    no pins such as upstream's).
     """
 
 

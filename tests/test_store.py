@@ -19,7 +19,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from lmcache_mp.errors import CorruptChunkWarning, KVConfigError, KVStoreError
+from lmcache_mp.errors import (
+    CorruptChunkWarning,
+    KVCapacityError,
+    KVConfigError,
+    KVStoreError,
+)
 from lmcache_mp.kv import (
     DEFAULT_CHUNK_SIZE,
     KVContext,
@@ -406,7 +411,8 @@ def test_stats_count_this_handles_work(ctx: KVStore) -> None:
     ctx.retrieve([*TOKENS[:C], 0, 0, 0, 0])  # 1 hit, 1 miss
     ctx.retrieve([0] * C)  # 1 miss
     payload = 2 * 2 * C * 4 * 4
-    assert ctx.stats() == StoreStats(
+    stats = ctx.stats()
+    assert stats == StoreStats(
         chunks=3,
         bytes=3 * (HEADER_SIZE + payload),
         hits=4,
@@ -415,6 +421,7 @@ def test_stats_count_this_handles_work(ctx: KVStore) -> None:
         writes=3,
         corrupt=0,
         capacity_bytes=ctx.capacity_bytes,
+        free_bytes=stats.free_bytes,
     )
 
 
@@ -433,21 +440,23 @@ def test_least_recently_used_chunk_is_evicted(stores: StoreFactory) -> None:
     assert (stats.chunks, stats.evictions) == (3, 1)
 
 
-def test_chunks_being_stored_are_not_evicted(stores: StoreFactory) -> None:
-    """A store over capacity keeps its own prefix and writes what fits."""
+def test_a_store_that_cannot_fit_stores_nothing(stores: StoreFactory) -> None:
+    """A store whose chunks do not fit even after eviction raises
+    KVCapacityError at once, naming bytes asked and allowed, and writes no
+    chunk of it (issue #20: nothing dropped silently)."""
     chunk_bytes = HEADER_SIZE + 2 * 2 * C * 4 * 4
     ctx = stores.connect(chunk_size=C, capacity_bytes=2 * chunk_bytes)
-    with pytest.warns(RuntimeWarning, match="1 of 3 new chunks do not fit"):
-        assert ctx.store(kv_of(TOKENS), TOKENS)
-    got = ctx.retrieve(TOKENS)
-    assert got is not None and got.shape[2] == 2 * C
+    with pytest.raises(KVCapacityError, match="capacity_bytes") as info:
+        ctx.store(kv_of(TOKENS), TOKENS)
+    assert (info.value.asked, info.value.allowed) == (3 * chunk_bytes, 2 * chunk_bytes)
+    assert ctx.retrieve(TOKENS) is None and ctx.stats().chunks == 0
 
 
 def test_chunk_larger_than_capacity_is_not_stored(stores: StoreFactory) -> None:
-    """A chunk bigger than the whole capacity: store returns False and warns."""
+    """A chunk bigger than the whole capacity: KVCapacityError, nothing stored."""
     ctx = stores.connect(chunk_size=C, capacity_bytes=100)
-    with pytest.warns(RuntimeWarning, match="capacity of 100 bytes"):
-        assert ctx.store(kv_of(TOKENS), TOKENS) is False
+    with pytest.raises(KVCapacityError, match="capacity is 100 bytes"):
+        ctx.store(kv_of(TOKENS), TOKENS)
     assert ctx.stats().chunks == 0
 
 

@@ -12,6 +12,8 @@ from typing import Any, Protocol
 
 import numpy.typing as npt
 
+from lmcache_mp.kv._pins import PinOwner
+
 __all__ = [
     "ModifyFn",
     "PostCompletion",
@@ -132,6 +134,9 @@ class StreamState:
         text_parts: Text of every generated token, in order.
         output_ids: Every generated token id, in order.
         done: Whether the last call stopped before ``max_tokens`` (EOS).
+        pin: The open batch that pins the stream's KV in its stores, or
+            ``None``; the stores it writes in a phase pin what they write
+            to it (issue #20).
     """
 
     tokens: list[int]
@@ -140,6 +145,8 @@ class StreamState:
     text_parts: list[str] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     done: bool = False
+    # Which batch holds the stream is not part of what the stream is.
+    pin: PinOwner | None = field(default=None, compare=False, repr=False)
 
     def copy(self) -> StreamState:
         """Return an independent copy (the lists are copied too)."""
@@ -150,4 +157,5 @@ class StreamState:
             text_parts=list(self.text_parts),
             output_ids=list(self.output_ids),
             done=self.done,
+            pin=self.pin,
         )

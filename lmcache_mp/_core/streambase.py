@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,17 +39,22 @@ from lmcache_mp._util.arrays import as_type, check_array_type, fn_array
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import (
     CacheKindError,
+    KVCapacityError,
     KVConfigError,
+    KVEvictedError,
     LMCacheStreamError,
     StreamInputError,
 )
 from lmcache_mp.kv import KVContext
+from lmcache_mp.kv._pins import pinning
 
 __all__ = ["StreamBase"]
 
 logger = logging.getLogger(__name__)
 
 KV = LMCacheSDKCacheKind.KV
+# The end of an engine's events (None may be an event).
+_END = object()
 
 
 class StreamBase:
@@ -155,6 +160,8 @@ class StreamBase:
 
         Raises:
             StreamInputError: If ``max_tokens`` or ``suffix_tokens`` is bad.
+            KVCapacityError: If the engine stores the KV in a store it does
+                not fit (issue #20); the stream's state is then unchanged.
             LMCacheStreamError: If ``post_completion`` fails or yields
                 something that is not a token event; the stream's state is
                 then unchanged.
@@ -172,7 +179,11 @@ class StreamBase:
             # max_tokens is passed explicitly: engines default to other values
             # (vLLM: 16) than the 1 that ``done`` is computed against.
             params = {**sampling_params, "max_tokens": max_tokens}
-            for event in self.post_completion(list(prompt), params, self.cache_salt):
+            with pinning(self._state.pin, sid):
+                events = iter(
+                    self.post_completion(list(prompt), params, self.cache_salt)
+                )
+            for event in self._pinned(events):
                 token_id = getattr(event, "token_id", None)
                 if isinstance(token_id, bool) or not isinstance(
                     token_id, (int, np.integer)
@@ -199,6 +210,8 @@ class StreamBase:
             raise LMCacheStreamError(
                 f"stream {sid} failed during generation: {exc}", sid
             ) from exc
+        except KVCapacityError:
+            raise  # the engine's store refused the KV; it names the stream
         except Exception as exc:
             raise LMCacheStreamError(
                 f"stream {sid} failed during generation: {type(exc).__name__}: {exc}",
@@ -224,6 +237,16 @@ class StreamBase:
             ttft=gaps[0] if gaps else 0.0,
             cached_tokens=cached,
         )
+
+    def _pinned(self, events: Iterator[Any]) -> Iterator[Any]:
+        """``events``, each drawn in the stream's pin scope: an engine
+        storing KV while it yields them pins it to the stream's batch."""
+        while True:
+            with pinning(self._state.pin, self._stream_id):
+                event = next(events, _END)
+            if event is _END:
+                return
+            yield event
 
     @property
     def contexts(self) -> dict[LMCacheSDKCacheKind, KVContext]:
@@ -256,6 +279,8 @@ class StreamBase:
             as a ``[2, L, T, D]`` array.
 
         Raises:
+            KVEvictedError: At once, if the store evicted the KV (it polls
+                only while the KV may still arrive).
             LMCacheStreamError: If nothing is cached within ``timeout``.
         """
         return self._retrieve(KV, timeout, poll_interval)
@@ -268,6 +293,7 @@ class StreamBase:
         deadline = time.monotonic() + timeout
         while True:
             kv = ctx.retrieve(self._state.tokens, self.cache_salt)
+            self._check_evicted(ctx, kind, 0 if kv is None else int(kv.shape[2]))
             if kv is not None:
                 return kv
             if time.monotonic() >= deadline:
@@ -278,6 +304,28 @@ class StreamBase:
                     self._stream_id,
                 )
             time.sleep(poll_interval)
+
+    def _check_evicted(
+        self, ctx: KVContext, kind: LMCacheSDKCacheKind, cached: int
+    ) -> None:
+        """Fail at once when the chunk after the ``cached`` tokens a retrieve
+        found was evicted: waiting would not bring it back (issue #20)."""
+        if cached + ctx.chunk_size > len(self._state.tokens):
+            return
+        was_evicted = getattr(ctx, "was_evicted", None)
+        if was_evicted is None or not was_evicted(
+            self._state.tokens, self.cache_salt, cached
+        ):
+            return
+        sid = self._stream_id
+        raise KVEvictedError(
+            f"stream {sid}: the store evicted the cached {kind.name} of its "
+            f"tokens {cached}..{cached + ctx.chunk_size} (of "
+            f"{len(self._state.tokens)}); it was stored and will not come back "
+            "(the store was over capacity outside an open batch; raise its "
+            "capacity or keep the stream in a batch, which pins its KV)",
+            sid,
+        )
 
     def _write(
         self,
@@ -298,9 +346,10 @@ class StreamBase:
         ctx = self._context(kind)
         stage_fn = getattr(ctx, "stage", None) if replace and stage else None
         try:
-            if stage_fn is not None:
-                return stage_fn(arr, toks, self.cache_salt)
-            wrote = store_edit(ctx, arr, toks, self.cache_salt, replace=replace)
+            with pinning(self._state.pin, sid):
+                if stage_fn is not None:
+                    return stage_fn(arr, toks, self.cache_salt)
+                wrote = store_edit(ctx, arr, toks, self.cache_salt, replace=replace)
         except (KVConfigError, TypeError, ValueError) as exc:
             raise StreamInputError(
                 f"stream {sid}: the store rejected the new {kind.name}: {exc}", sid

@@ -1,54 +1,92 @@
-"""Capacity: the default size of a store and least-recently-used eviction.
+"""Capacity: the default size of a store and least-recently-used eviction
+that never touches pinned chunks.
 
 Recency is a chunk file's mtime, refreshed on every hit and every store of
 an existing chunk, so eviction order is shared by all processes. Byte
 accounting is approximate under concurrency: a handle trusts its own count
-for a second before listing the directory again.
+for a second before listing the directory again. Chunks pinned by open
+batches (:mod:`~lmcache_mp.kv._pinfiles`) are never evicted; what does not
+fit besides them is reported, for the store to refuse (issue #20).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
 import time
+from typing import NamedTuple
 
 import psutil
 
 from lmcache_mp.errors import KVStoreError
 from lmcache_mp.kv._files import list_chunks
+from lmcache_mp.kv._pinfiles import live_pins, mark_evicted
+from lmcache_mp.kv._recycle import list_free, retire
 
-__all__ = ["Usage", "default_capacity"]
+__all__ = ["Room", "Usage", "default_capacity"]
 
-# Default capacity: this fraction of both free RAM and free space.
-_CAPACITY_FRACTION = 4
+# Memory the default capacity leaves to processes: this share of the RAM,
+# and at least _RESERVE_MIN bytes.
+_RESERVE_SHARE = 8
+_RESERVE_MIN = 1 << 30
 # How long a handle trusts its own count of the bytes in use before listing
 # the directory again: other processes' writes are unseen for at most this.
 _USAGE_TTL_S = 1.0
 
 
 def default_capacity(directory: str) -> int:
-    """A quarter of the free RAM or of ``directory``'s free space, if smaller.
+    """What the store can really hold: the free space of ``directory``'s
+    filesystem (for ``/dev/shm``, its size less what is in it), and no more
+    than the available RAM less a reserve for the processes (an eighth of
+    the RAM, at least 1 GiB, at most half of what is available). Issue #20: a quarter of the free RAM evicted
+    KV that a batch needed long before memory was short.
 
     Raises:
         KVStoreError: If ``directory``'s free space cannot be read.
     """
-    free_ram = psutil.virtual_memory().available
+    memory = psutil.virtual_memory()
+    # Never more than half of what is available: a small or busy machine
+    # still gets a store.
+    reserve = min(
+        max(_RESERVE_MIN, memory.total // _RESERVE_SHARE), memory.available // 2
+    )
     try:
         free_disk = shutil.disk_usage(directory).free
     except OSError as exc:
         raise KVStoreError(f"{directory}: cannot read its free space: {exc}") from exc
-    return max(1, min(free_ram, free_disk) // _CAPACITY_FRACTION)
+    return max(1, min(free_disk, memory.available - reserve))
+
+
+class Room(NamedTuple):
+    """What making room for new chunks found and did.
+
+    Attributes:
+        fits: How many of the new chunk files fit.
+        evicted: Chunks evicted for them.
+        evicted_bytes: Their bytes.
+        used: Bytes of chunks in the store, counting the new ones if all fit.
+        pinned: Bytes of pinned chunks; -1 when not looked at (no eviction
+            was needed).
+    """
+
+    fits: int
+    evicted: int
+    evicted_bytes: int
+    used: int
+    pinned: int
 
 
 def evict_lru(
     dir_fd: int, need: int, capacity: int, keep: frozenset[str]
-) -> tuple[int, int]:
-    """Remove least recently used chunks until ``need`` more bytes fit.
+) -> tuple[int, int, int, int]:
+    """Remove least recently used unpinned chunks until ``need`` more bytes fit.
 
-    Recency is the file's mtime, which a hit refreshes. Processes evicting
-    at the same time may remove the same file; only removals that succeed
-    here are counted.
+    Nothing is removed when they would not fit even then. Free files
+    (:mod:`~lmcache_mp.kv._recycle`) count as used and go first. Recency is
+    the file's mtime, which a hit refreshes. An evicted chunk is retired
+    for reuse and leaves an eviction mark.
 
     Args:
         dir_fd: The store directory.
@@ -57,25 +95,41 @@ def evict_lru(
         keep: Chunk names never to evict (the chunks being stored).
 
     Returns:
-        ``(evicted, used)``: chunks removed here, and the bytes still used.
+        ``(evicted, evicted bytes, used, pinned)``: chunks removed here,
+        their bytes, the bytes still used, and the bytes pinned (-1 when
+        nothing had to be evicted).
     """
     entries = list_chunks(dir_fd)
-    used = sum(e.size for e in entries)
-    evicted = 0
+    free = list_free(dir_fd)
+    used = sum(e.size for e in entries) + sum(e.size for e in free)
     if used + need <= capacity:
-        return evicted, used
+        return 0, 0, used, -1
+    pinned_names = live_pins(dir_fd)
+    pinned = sum(e.size for e in entries if e.name in pinned_names)
+    held = sum(e.size for e in entries if e.name in keep or e.name in pinned_names)
+    if held + need > capacity:
+        return 0, 0, used, pinned  # cannot fit: evict nothing for nothing
+    # Free files go first (removed); then chunks, retired for reuse by the
+    # write that needs the room (the bytes stay, as that write's).
+    for entry in free:
+        if used + need <= capacity:
+            break
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry.name, dir_fd=dir_fd)
+        used -= entry.size
+    gone: list[str] = []
+    freed = 0
     for entry in sorted(entries, key=lambda e: (e.mtime_ns, e.name)):
         if used + need <= capacity:
             break
-        if entry.name in keep:
+        if entry.name in keep or entry.name in pinned_names:
             continue
-        try:
-            os.unlink(entry.name, dir_fd=dir_fd)
-            evicted += 1
-        except FileNotFoundError:
-            pass
+        retire(dir_fd, entry.name)
+        gone.append(entry.name)
+        freed += entry.size
         used -= entry.size
-    return evicted, used
+    mark_evicted(dir_fd, gone)
+    return len(gone), freed, used, pinned
 
 
 class Usage:
@@ -93,7 +147,7 @@ class Usage:
 
     def make_room(
         self, dir_fd: int, count: int, file_size: int, keep: frozenset[str]
-    ) -> tuple[int, int]:
+    ) -> Room:
         """Evict as needed for ``count`` new chunk files of ``file_size`` bytes.
 
         Args:
@@ -103,20 +157,22 @@ class Usage:
             keep: Chunk names never to evict.
 
         Returns:
-            ``(fits, evicted)``: how many of the new files fit, and how many
-            chunks were evicted for them. The fitting ones are counted as
-            used from now on.
+            What fits and what was evicted. When all fit, they are counted
+            as used from now on.
         """
         need = count * file_size
         with self._lock:
             used = self._used
             fresh = time.monotonic() - self._listed_at < _USAGE_TTL_S
-        evicted = 0
+        evicted = freed = 0
+        pinned = -1
         if used is None or not fresh or used + need > self.capacity:
-            evicted, used = evict_lru(dir_fd, need, self.capacity, keep)
+            evicted, freed, used, pinned = evict_lru(dir_fd, need, self.capacity, keep)
             with self._lock:
                 self._listed_at = time.monotonic()
         fits = min(count, max(0, self.capacity - used) // file_size)
+        # A store that does not fit whole writes nothing.
+        used += need if fits == count else 0
         with self._lock:
-            self._used = used + fits * file_size
-        return fits, evicted
+            self._used = used
+        return Room(fits, evicted, freed, used, pinned)

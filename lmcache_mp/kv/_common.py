@@ -17,20 +17,22 @@ import numpy.typing as npt
 
 from lmcache_mp._util.arrays import as_numpy
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
-from lmcache_mp.errors import CorruptChunkWarning, KVConfigError
+from lmcache_mp.errors import CorruptChunkWarning, KVCapacityError, KVConfigError
+from lmcache_mp.kv._buffers import contiguous, empty_kv
 from lmcache_mp.kv._chunk import CorruptChunk
 from lmcache_mp.kv._keys import Tokens, token_array
 from lmcache_mp.kv._layout import Layout, resolve_dtype
+from lmcache_mp.kv._pins import PinScope
 
 __all__ = [
     "StoreHandle",
     "as_bytes",
+    "capacity_error",
     "check_positive",
     "join_payloads",
     "kv_layout",
     "require_layout",
     "warn_corrupt",
-    "warn_unfit",
 ]
 
 
@@ -133,10 +135,11 @@ def as_bytes(arr: npt.NDArray[Any], layout: Layout) -> npt.NDArray[np.uint8]:
         layout: The store's layout (its dtype).
 
     Returns:
-        ``arr`` itself viewed as bytes when it is already so, else a copy;
+        ``arr`` itself viewed as bytes when it is already so, else a copy
+        (in huge pages when large: see :mod:`~lmcache_mp.kv._buffers`);
         what :func:`~lmcache_mp.kv._chunk.chunk_views` slices.
     """
-    return np.ascontiguousarray(arr, dtype=layout.dtype).view(np.uint8)
+    return contiguous(arr, layout.dtype).view(np.uint8)
 
 
 def join_payloads(
@@ -154,7 +157,7 @@ def join_payloads(
     """
     shape = (layout.planes, layout.layers, chunk_size, layout.width)
     tokens = len(payloads) * chunk_size
-    out = np.empty((*shape[:2], tokens, layout.width), layout.dtype)
+    out = empty_kv((*shape[:2], tokens, layout.width), layout.dtype)
     for index, payload in enumerate(payloads):
         chunk = np.frombuffer(payload, layout.dtype).reshape(shape)
         out[:, :, index * chunk_size : (index + 1) * chunk_size] = chunk
@@ -199,21 +202,39 @@ def warn_corrupt(where: str, exc: CorruptChunk, stacklevel: int = 3) -> None:
     )
 
 
-def warn_unfit(url: str, unfit: int, total: int, capacity: str) -> None:
-    """Warn that chunks were not stored for lack of room.
+def capacity_error(
+    where: str,
+    scope: PinScope | None,
+    asked: int,
+    pinned: int,
+    used: int,
+    capacity: int,
+    how: str,
+) -> KVCapacityError:
+    """The error of a store call whose new chunks do not fit (issue #20).
 
     Args:
-        url: The store's URL.
-        unfit: Chunks not stored.
-        total: Chunks there were to store.
-        capacity: The capacity, in words (e.g. ``"100 bytes"``).
+        where: The store's URL.
+        scope: The stream the call was made for, if known.
+        asked: Bytes the call needed.
+        pinned: Bytes pinned by open batches (negative: unknown).
+        used: Bytes the store holds.
+        capacity: The store's capacity.
+        how: How to raise the capacity, in words.
 
-    The warning points at the call of the store's public method (which
-    calls this through one private method).
+    Returns:
+        The :class:`KVCapacityError` to raise; nothing was stored.
     """
-    warnings.warn(
-        f"store {url}: {unfit} of {total} new chunks do not fit in its capacity "
-        f"of {capacity}; not stored",
-        RuntimeWarning,
-        stacklevel=4,
+    sid = None if scope is None else scope.stream_id
+    who = "" if sid is None else f"stream {sid}: "
+    pinned_text = "unknown" if pinned < 0 else str(pinned)
+    return KVCapacityError(
+        f"{who}storing {asked} bytes of KV in store {where} does not fit: its "
+        f"capacity is {capacity} bytes, {used} are in use, {pinned_text} of them "
+        "pinned by the streams of open batches (never evicted); nothing was "
+        f"stored. {how}, or close batches whose KV is no longer needed",
+        sid,
+        asked,
+        max(pinned, 0),
+        capacity,
     )

@@ -149,11 +149,14 @@ def remove_stale_temps(dir_fd: int) -> int:
 
 
 def list_chunks(dir_fd: int) -> list[ChunkEntry]:
-    """List the chunk files of a store, skipping any that vanish meanwhile."""
+    """List the chunk files of a store, skipping any that vanish meanwhile.
+
+    Dot files (temp files, pins, eviction marks) are never chunks.
+    """
     found = []
     with os.scandir(dir_fd) as entries:
         for entry in entries:
-            if not entry.name.endswith(CHUNK_SUFFIX):
+            if entry.name.startswith(".") or not entry.name.endswith(CHUNK_SUFFIX):
                 continue
             try:
                 st = entry.stat(follow_symlinks=False)

@@ -29,7 +29,6 @@ from lmcache_mp.kv._common import (
     join_payloads,
     kv_layout,
     warn_corrupt,
-    warn_unfit,
 )
 from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._layout import Layout, encode_layout
@@ -52,6 +51,11 @@ from lmcache_mp.kv._redis_ops import (
     stage_values,
     valid_prefix,
 )
+from lmcache_mp.kv._redis_pinning import KeyPins
+from lmcache_mp.kv._redis_pins import (
+    clear_marks,
+    live_pins,
+)
 from lmcache_mp.kv._shm import DEFAULT_CHUNK_SIZE
 from lmcache_mp.kv._staged import StagedChunks
 from lmcache_mp.kv._stats import Counters, StoreStats
@@ -66,7 +70,7 @@ def _reopen(url: str, chunk_size: int, kind: LMCacheSDKCacheKind) -> RedisKVStor
     return RedisKVStore(url, chunk_size=chunk_size, kind=kind)
 
 
-class RedisKVStore(StoreHandle):
+class RedisKVStore(KeyPins, StoreHandle):
     """A KV context whose chunks are values on a Redis server.
 
     The semantics of :class:`~lmcache_mp.kv.SharedMemoryKVStore` (salted
@@ -152,6 +156,10 @@ class RedisKVStore(StoreHandle):
         return ":".join(
             (self._link.target.prefix, self._kind.value, *(parts or ("layout",)))
         )
+
+    def _base(self) -> str:
+        """This kind's namespace: ``{prefix}:{kind}``."""
+        return f"{self._link.target.prefix}:{self._kind.value}"
 
     def _chunk_key(self, key: bytes) -> str:
         return self._key("c", key.hex())
@@ -276,9 +284,11 @@ class RedisKVStore(StoreHandle):
         """Store every full chunk of ``kv`` that is not cached yet.
 
         Chunks already cached count as used (TOUCH, for the server's LRU);
-        new ones are written with SET NX, each atomically. Chunks the
-        server refuses for lack of memory (after evicting what it can) are
-        not stored, with a ``RuntimeWarning``. A value at a chunk's key that
+        new ones are written with SET NX, each atomically. Before the
+        server would evict, the store evicts least recently used chunks
+        itself, never those pinned by open batches; what does not fit even
+        then raises :class:`KVCapacityError` at once (issue #20). A value at
+        a chunk's key that
         is not a string (planted) is replaced, as a corrupt chunk.
 
         Args:
@@ -300,6 +310,7 @@ class RedisKVStore(StoreHandle):
             TypeError: If ``kv`` is not an array, ``tokens`` not ints or
                 ``cache_salt`` not a str.
             ValueError: If a token id is negative.
+            KVCapacityError: If the new chunks do not fit.
             KVStoreConnectionError: If the server cannot be reached.
             KVStoreError: If the store is closed or the server fails.
         """
@@ -355,6 +366,9 @@ class RedisKVStore(StoreHandle):
             )
             for i in todo
         }
+        hexes = [key.hex() for key in keys]
+        new = todo if staged else missing
+        self._make_room(conn, hexes, sum(len(values[names[i]]) for i in new))
         with self._link.errors():
             if staged:
                 moves = stage_values(conn, self._key("tmp"), list(values.items()))
@@ -363,10 +377,10 @@ class RedisKVStore(StoreHandle):
             nx = {names[i] for i in missing}
             items = [(name, value, name in nx) for name, value in values.items()]
             written, refused = set_values(conn, items)
+            clear_marks(conn, self._base(), [hexes[i] for i in todo])
         self._counts.add(writes=written)
         if refused:
-            capacity = f"{self.capacity_bytes} bytes (the server's maxmemory)"
-            warn_unfit(self._link.where, refused, len(todo), capacity)
+            raise self._capacity_error(sum(map(len, values.values())), -1)
         return written, []
 
     def _publish(self, moves: Sequence[tuple[str, str]], keep: bool) -> None:
@@ -415,8 +429,18 @@ class RedisKVStore(StoreHandle):
             sizes = chunk_bytes(conn, self._key("c", "*"))
             capacity = server_memory(conn).maxmemory
             evictions = self._link.evictions(conn)
+            pinned = live_pins(conn, self._base())
+            pinned_sizes = chunk_bytes(conn, self._key("c", "*"), pinned)
+            used = int(conn.info("memory")["used_memory"]) if capacity else 0
         return self._counts.snapshot(
-            len(sizes), sum(sizes), capacity_bytes=capacity, evictions=evictions
+            len(sizes),
+            sum(sizes),
+            capacity_bytes=capacity,
+            # The server's evictions and the store's own (made before the
+            # server would evict, sparing pinned chunks).
+            evictions=evictions + self._counts.get("evictions"),
+            pinned_bytes=sum(pinned_sizes),
+            free_bytes=max(0, capacity - used) if capacity else 0,
         )
 
     def close(self) -> None:

@@ -388,12 +388,16 @@ def drop_if_same(conn: redis.Redis, key: str, value: bytes) -> None:
             pass
 
 
-def chunk_bytes(conn: redis.Redis, pattern: str) -> list[int]:
+def chunk_bytes(
+    conn: redis.Redis, pattern: str, only: set[str] | None = None
+) -> list[int]:
     """The length of every value whose key matches ``pattern``.
 
     Args:
         conn: The client.
-        pattern: A SCAN MATCH pattern.
+        pattern: A SCAN MATCH pattern ending in ``*``.
+        only: Count only keys whose part after the pattern's ``*`` is one
+            of these.
 
     Returns:
         One length per key found (SCAN, then STRLEN in one round trip).
@@ -402,6 +406,9 @@ def chunk_bytes(conn: redis.Redis, pattern: str) -> list[int]:
         redis.RedisError: If the server fails.
     """
     keys = list(conn.scan_iter(match=pattern, count=_BATCH))
+    if only is not None:
+        cut = len(pattern) - 1
+        keys = [k for k in keys if k[cut:].decode() in only]
     if not keys:
         return []
     pipe = conn.pipeline(transaction=False)

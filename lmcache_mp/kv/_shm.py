@@ -15,6 +15,7 @@ import numpy.typing as npt
 
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError
+from lmcache_mp.kv._buffers import contiguous, empty_kv
 from lmcache_mp.kv._capacity import Usage
 from lmcache_mp.kv._chunk import (
     CorruptChunk,
@@ -26,11 +27,11 @@ from lmcache_mp.kv._chunk import (
 from lmcache_mp.kv._common import (
     StoreHandle,
     as_bytes,
+    capacity_error,
     check_positive,
     kv_layout,
     require_layout,
     warn_corrupt,
-    warn_unfit,
 )
 from lmcache_mp.kv._files import (
     CHUNK_SUFFIX,
@@ -43,6 +44,10 @@ from lmcache_mp.kv._files import (
 )
 from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._layout import Layout, load_layout, publish_layout
+from lmcache_mp.kv._pinfiles import clear_evicted, live_pins, write_pin
+from lmcache_mp.kv._pins import current_scope
+from lmcache_mp.kv._recycle import list_free, retire, retire_replaced
+from lmcache_mp.kv._shm_pins import FilePins
 from lmcache_mp.kv._staged import StagedChunks
 from lmcache_mp.kv._stats import Counters, StoreStats
 
@@ -64,7 +69,7 @@ def _reopen(
     )
 
 
-class SharedMemoryKVStore(StoreHandle):
+class SharedMemoryKVStore(FilePins, StoreHandle):
     """A KV context whose chunks are files in a private shared directory.
 
     Every process on the machine that opens the same directory shares the
@@ -265,7 +270,7 @@ class SharedMemoryKVStore(StoreHandle):
         if layout is None or not found:
             self._counts.add(misses=1)
             return None
-        out = np.empty(
+        out = empty_kv(
             (layout.planes, layout.layers, len(found) * size, layout.width),
             layout.dtype,
         )
@@ -286,7 +291,7 @@ class SharedMemoryKVStore(StoreHandle):
         if got == 0:
             return None
         if got < len(found):
-            return np.ascontiguousarray(out[:, :, : got * size])
+            return contiguous(out[:, :, : got * size], layout.dtype)
         return out
 
     def store(
@@ -296,8 +301,9 @@ class SharedMemoryKVStore(StoreHandle):
 
         Chunks already cached count as used (for eviction). When the new
         chunks do not fit, least recently used chunks of other prefixes are
-        evicted; chunks that still do not fit are not stored, with a
-        ``RuntimeWarning``.
+        evicted, never chunks pinned by open batches; when they do not fit
+        even then, nothing is stored and :class:`KVCapacityError` is raised
+        at once (issue #20).
 
         Args:
             kv: ``[2, L, len(tokens), D]``: a numpy array, a torch tensor or
@@ -319,6 +325,8 @@ class SharedMemoryKVStore(StoreHandle):
             TypeError: If ``kv`` is not an array, ``tokens`` not ints or
                 ``cache_salt`` not a str.
             ValueError: If a token id is negative.
+            KVCapacityError: If the new chunks do not fit (naming the stream
+                when called for one).
             KVStoreError: If the store is closed or a chunk cannot be written.
         """
         wrote, _ = self._write(kv, tokens, cache_salt, overwrite, publish=True)
@@ -349,14 +357,15 @@ class SharedMemoryKVStore(StoreHandle):
         return StagedChunks(self, tuple(moves))
 
     def _publish(self, moves: Sequence[tuple[str, str]], keep: bool) -> None:
-        """Rename staged files onto their chunks (``keep``) or remove them."""
+        """Rename staged files onto their chunks (``keep``) or drop them;
+        the files replaced or dropped are kept for reuse."""
         fd = self._dir_fd()
         for tmp, name in moves:
             with contextlib.suppress(FileNotFoundError):
                 if keep:
-                    os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+                    retire_replaced(fd, tmp, name)
                 else:
-                    os.unlink(tmp, dir_fd=fd)
+                    retire(fd, tmp)
 
     def _write(
         self,
@@ -388,33 +397,48 @@ class SharedMemoryKVStore(StoreHandle):
         rewrite = present if overwrite else []
         if not missing and not rewrite:
             return False, []
-        fits, evicted = self._usage.make_room(
-            fd, len(missing), chunk_file_size(layout, size), frozenset(names)
-        )
-        self._counts.add(evictions=evicted)
-        if fits < len(missing):
-            warn_unfit(
+        scope = current_scope()
+        if scope is not None and scope.owner is not None:
+            # Pinned before written: no other write may evict them meanwhile.
+            write_pin(fd, scope.owner, scope.stream_id, names, add=True)
+        file_size = chunk_file_size(layout, size)
+        room = self._usage.make_room(fd, len(missing), file_size, frozenset(names))
+        self._counts.add(evictions=room.evicted, evicted_bytes=room.evicted_bytes)
+        if room.fits < len(missing):
+            raise capacity_error(
                 self._url,
-                len(missing) - fits,
-                len(missing),
-                f"{self._usage.capacity} bytes",
+                scope,
+                len(missing) * file_size,
+                room.pinned,
+                room.used,
+                self._usage.capacity,
+                "Raise it with connect(url, capacity_bytes=...)",
             )
         raw = as_bytes(arr, layout)
         moves = []
-        for index in missing[:fits] + rewrite:
+        free = [entry.name for entry in list_free(fd)]
+        for index in missing + rewrite:
             views = chunk_views(raw, index * size, (index + 1) * size)
             try:
                 tmp = write_chunk(
-                    fd, names[index], keys[index], views, layout, size, publish=publish
+                    fd,
+                    names[index],
+                    keys[index],
+                    views,
+                    layout,
+                    size,
+                    publish=publish,
+                    free=free,
                 )
             except OSError as exc:
                 raise KVStoreError(
                     f"{self._path}/{names[index]}: cannot write chunk: {exc}"
                 ) from exc
             self._counts.add(writes=1)
+            clear_evicted(fd, names[index])
             if not publish:
                 moves.append((tmp, names[index]))
-        return fits > 0 or bool(rewrite), moves
+        return True, moves
 
     def sweep(self) -> int:
         """Remove the temp files of writers that died (unfinished or staged
@@ -434,11 +458,17 @@ class SharedMemoryKVStore(StoreHandle):
         Raises:
             KVStoreError: If the store is closed.
         """
-        entries = list_chunks(self._dir_fd())
+        fd = self._dir_fd()
+        entries = list_chunks(fd)
+        pinned = live_pins(fd)
+        used = sum(e.size for e in entries)
+        spare = sum(e.size for e in list_free(fd))
         return self._counts.snapshot(
             len(entries),
-            sum(e.size for e in entries),
+            used,
             capacity_bytes=self._usage.capacity,
+            pinned_bytes=sum(e.size for e in entries if e.name in pinned),
+            free_bytes=max(0, self._usage.capacity - used - spare),
         )
 
     def close(self) -> None:

@@ -34,6 +34,11 @@ class StoreStats:
             ``maxmemory``; 0 means unbounded (a Redis server without
             ``maxmemory`` never evicts) or, where the server's ACL hides
             it, unknown.
+        pinned_bytes: Of ``bytes``, those pinned by the streams of open
+            batches: never evicted (issue #20).
+        evicted_bytes: Bytes of the chunks this handle evicted.
+        free_bytes: Bytes still free before the capacity (0 when unbounded
+            or unknown).
     """
 
     chunks: int
@@ -44,6 +49,9 @@ class StoreStats:
     writes: int
     corrupt: int
     capacity_bytes: int = 0
+    pinned_bytes: int = 0
+    evicted_bytes: int = 0
+    free_bytes: int = 0
 
 
 class Counters:
@@ -52,7 +60,8 @@ class Counters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(
-            ("hits", "misses", "evictions", "writes", "corrupt"), 0
+            ("hits", "misses", "evictions", "writes", "corrupt", "evicted_bytes"),
+            0,
         )
 
     def add(self, **deltas: int) -> None:
@@ -61,6 +70,11 @@ class Counters:
             for name, delta in deltas.items():
                 self._counts[name] += delta
 
+    def get(self, name: str) -> int:
+        """One count."""
+        with self._lock:
+            return self._counts[name]
+
     def snapshot(
         self,
         chunks: int,
@@ -68,6 +82,8 @@ class Counters:
         *,
         capacity_bytes: int = 0,
         evictions: int | None = None,
+        pinned_bytes: int = 0,
+        free_bytes: int = 0,
     ) -> StoreStats:
         """The counts with the store's current ``chunks``, bytes and capacity.
 
@@ -77,11 +93,18 @@ class Counters:
             capacity_bytes: The store's capacity (0: unbounded or unknown).
             evictions: The evictions to report instead of this handle's own
                 count (a server that evicts by itself counts them).
+            pinned_bytes: Bytes pinned by open batches.
+            free_bytes: Bytes free before the capacity.
         """
         with self._lock:
             counts = dict(self._counts)
         if evictions is not None:
             counts["evictions"] = evictions
         return StoreStats(
-            chunks=chunks, bytes=size, capacity_bytes=capacity_bytes, **counts
+            chunks=chunks,
+            bytes=size,
+            capacity_bytes=capacity_bytes,
+            pinned_bytes=pinned_bytes,
+            free_bytes=free_bytes,
+            **counts,
         )
