@@ -68,7 +68,7 @@ def test_pinned_kv_survives_a_store_past_capacity(
         with pytest.raises(KVCapacityError, match="pinned") as info:
             ctx.store(kv_for(other), other)
         assert info.value.pinned == info.value.allowed == len(PROMPTS) * 2 * CHUNK
-        batch.modify(_double, retrieve_timeout=1.0)
+        batch.modify(_double, timeout=1.0)
         batch.decode({"max_tokens": 2})
         for stream in batch.streams.values():
             prompt = stream.tokens[: 2 * C]
@@ -219,10 +219,10 @@ def test_half_precision_edits_round_trip_bit_exactly(
     with lmc_batch.LMCacheBatchedStream("process", max_workers=2) as batch:
         stream = lmc_stream.create_request(ctx, FakeEngine(ctx), tokens)
         batch.add(stream)
-        batch.modify(_double, retrieve_timeout=1.0)
+        batch.modify(_double, timeout=1.0)
         doubled = ctx.retrieve(tokens)
         assert doubled is not None and np.array_equal(bits(doubled), bits(kv * 2))
-        batch.modify(_stride, retrieve_timeout=1.0)
+        batch.modify(_stride, timeout=1.0)
     got = ctx.retrieve(tokens[::2])
     assert got is not None and got.dtype == kv.dtype
     assert np.array_equal(bits(got), bits((kv * 2)[:, :, ::2]))
@@ -247,7 +247,7 @@ def test_pinned_kv_survives_a_store_past_redis_capacity() -> None:
             other = list(range(500, 500 + 24 * C))
             with pytest.raises(KVCapacityError, match="maxmemory"):
                 ctx.store(kv_of(other, **BIG), other)
-            batch.modify(_double, retrieve_timeout=1.0)
+            batch.modify(_double, timeout=1.0)
         for prompt in prompts:
             got = ctx.retrieve(prompt)
             assert got is not None

@@ -40,8 +40,9 @@ def default_capacity(directory: str) -> int:
     """What the store can really hold: the free space of ``directory``'s
     filesystem (for ``/dev/shm``, its size less what is in it), and no more
     than the available RAM less a reserve for the processes (an eighth of
-    the RAM, at least 1 GiB, at most half of what is available). Issue #20: a quarter of the free RAM evicted
-    KV that a batch needed long before memory was short.
+    the RAM, at least 1 GiB, at most half of what is available). Issue #20:
+    a quarter of the free RAM evicted KV that a batch needed long before
+    memory was short.
 
     Raises:
         KVStoreError: If ``directory``'s free space cannot be read.
