@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from lmcache_mp._util.arrays import as_numpy
+from lmcache_mp.engine._base import CachingEngine
 from lmcache_mp.engine._config import EngineConfig
 from lmcache_mp.engine._model import KVSequence
 from lmcache_mp.engine._prompt import check_prompt
-from lmcache_mp.engine._queries import check_query_ctx, record_queries
+from lmcache_mp.engine._queries import record_queries
 from lmcache_mp.engine._sampling import Sampler, SamplingParams
-from lmcache_mp.engine._stats import EngineStats, StatsCounter
+from lmcache_mp.engine._stats import EngineStats
 from lmcache_mp.engine._vocab import ToyVocab
 from lmcache_mp.hints import gil_bound
 from lmcache_mp.kv import KVContext
@@ -24,7 +24,7 @@ __all__ = ["EmbeddedEngine"]
 
 
 @gil_bound
-class EmbeddedEngine(StatsCounter):
+class EmbeddedEngine(CachingEngine):
     """A small deterministic transformer, used like vLLM with LMCache.
 
     Each call looks up the longest cached prefix of the prompt in ``ctx``,
@@ -76,37 +76,12 @@ class EmbeddedEngine(StatsCounter):
         *,
         query_ctx: KVContext | None = None,
     ) -> None:
-        super().__init__()
-        check_query_ctx(query_ctx)
-        self._ctx = ctx
-        self._query_ctx = query_ctx
+        super().__init__(ctx, query_ctx)
         self._config = config if config is not None else EngineConfig()
         self._vocab = ToyVocab(self._config.vocab_size, self._config.eos_token_id)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        if self._query_ctx is None:
-            return (type(self), (self._ctx, self._config))
-        # query_ctx is keyword-only: a partial carries it (and the class).
-        rebuild = functools.partial(type(self), query_ctx=self._query_ctx)
-        return (rebuild, (self._ctx, self._config))
-
-    def __repr__(self) -> str:
-        if self._query_ctx is None:
-            return f"EmbeddedEngine({self._ctx!r}, {self._config!r})"
-        return (
-            f"EmbeddedEngine({self._ctx!r}, {self._config!r}, "
-            f"query_ctx={self._query_ctx!r})"
-        )
-
-    @property
-    def ctx(self) -> KVContext:
-        """The KV context the engine reads and writes."""
-        return self._ctx
-
-    @property
-    def query_ctx(self) -> KVContext | None:
-        """The QUERY context prompts' queries are recorded in, if any."""
-        return self._query_ctx
+    def _args(self) -> tuple[Any, ...]:
+        return (self._ctx, self._config)
 
     @property
     def config(self) -> EngineConfig:

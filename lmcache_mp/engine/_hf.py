@@ -3,7 +3,6 @@ the CPU, with LMCache's prefix cache and vLLM's KV layout (issue #19)."""
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -13,12 +12,13 @@ import numpy.typing as npt
 
 from lmcache_mp._util.arrays import as_numpy, as_type
 from lmcache_mp.edits import AttentionConfig
+from lmcache_mp.engine._base import CachingEngine
 from lmcache_mp.engine._hf_attention import recording
 from lmcache_mp.engine._hf_load import LoadedModel, ModelSource, load_model, resolve
 from lmcache_mp.engine._prompt import check_prompt
-from lmcache_mp.engine._queries import check_query_ctx, record_queries
+from lmcache_mp.engine._queries import record_queries
 from lmcache_mp.engine._sampling import Sampler, SamplingParams
-from lmcache_mp.engine._stats import EngineStats, StatsCounter
+from lmcache_mp.engine._stats import EngineStats
 from lmcache_mp.errors import KVConfigError, StreamInputError
 from lmcache_mp.hints import releases_gil
 from lmcache_mp.kv import KVContext
@@ -28,7 +28,7 @@ __all__ = ["HFEngine"]
 
 
 @releases_gil
-class HFEngine(StatsCounter):
+class HFEngine(CachingEngine):
     """A Hugging Face causal LM run by ``transformers`` on the CPU, used like
     vLLM with LMCache.
 
@@ -74,11 +74,8 @@ class HFEngine(StatsCounter):
         *,
         query_ctx: KVContext | None = None,
     ) -> None:
-        super().__init__()
-        check_query_ctx(query_ctx)
+        super().__init__(ctx, query_ctx)
         self._source = source
-        self._ctx = ctx
-        self._query_ctx = query_ctx
 
     @classmethod
     def from_pretrained(
@@ -118,12 +115,8 @@ class HFEngine(StatsCounter):
         engine.load()
         return engine
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        rebuild = functools.partial(type(self), query_ctx=self._query_ctx)
-        return (rebuild, (self._source, self._ctx))
-
-    def __repr__(self) -> str:
-        return f"HFEngine({self._source!r}, {self._ctx!r})"
+    def _args(self) -> tuple[Any, ...]:
+        return (self._source, self._ctx)
 
     def load(self) -> LoadedModel:
         """Load the model in this process, once (later calls return it).
@@ -137,16 +130,6 @@ class HFEngine(StatsCounter):
     def source(self) -> ModelSource:
         """Where the model's weights are, and its dtype."""
         return self._source
-
-    @property
-    def ctx(self) -> KVContext:
-        """The KV context the engine reads and writes."""
-        return self._ctx
-
-    @property
-    def query_ctx(self) -> KVContext | None:
-        """The QUERY context prompts' queries are recorded in, if any."""
-        return self._query_ctx
 
     @property
     def model(self) -> Any:
