@@ -10,12 +10,18 @@ from typing import Any
 
 import numpy as np
 
+from lmcache_mp.bench._shapes import SHAPES
+from lmcache_mp.bench._synthetic import SYNTHETIC_VOCAB, SyntheticEngine
 from lmcache_mp.edits import EDITS, Edit, make_edit
-from lmcache_mp.engine import EngineConfig
+from lmcache_mp.engine import EmbeddedEngine, EngineConfig
 from lmcache_mp.engine._config import KV_DTYPES
 from lmcache_mp.executors import EXECUTOR_NAMES
+from lmcache_mp.kv import KVContext
 
 __all__ = [
+    "AUTO_UNHINTED",
+    "BENCH_DTYPES",
+    "BENCH_ENGINES",
     "BENCH_EXECUTORS",
     "DEFAULT_KEEP",
     "DROPPING_EDITS",
@@ -25,8 +31,16 @@ __all__ = [
     "sweep_values",
 ]
 
+#: ``auto`` on an unhinted copy of the edit: the GIL measurement and cost
+#: model at work, where the ready-made edits' hints skip them (issue #20).
+AUTO_UNHINTED = "auto-unhinted"
 #: Executors the bench can run: the library's names and the engines.
-BENCH_EXECUTORS = (*EXECUTOR_NAMES, "dask", "ray")
+BENCH_EXECUTORS = (*EXECUTOR_NAMES, AUTO_UNHINTED, "dask", "ray")
+#: Engines the phases run on: the exact toy model, or real shapes' stand-in
+#: (:class:`~lmcache_mp.bench._synthetic.SyntheticEngine`).
+BENCH_ENGINES = ("embedded", "synthetic")
+#: KV dtypes: the embedded engine's, and bfloat16 for the synthetic one.
+BENCH_DTYPES = (*KV_DTYPES, "bfloat16")
 #: Edits that drop tokens, to which ``keep`` applies.
 DROPPING_EDITS = ("pyscore", "random", "redundancy", "window")
 #: Parameters ``sweep`` can vary, as spelled on the command line.
@@ -56,13 +70,15 @@ class BenchConfig:
     Args:
         executors: Executors to compare, side by side, in this order:
             ``"serial"``, ``"thread"``, ``"process"``, ``"auto"``,
-            ``"dask"``, ``"ray"``.
+            ``"auto-unhinted"`` (auto on a copy of the edit without its GIL
+            hint), ``"dask"``, ``"ray"``.
         streams: Request streams in the batch.
         prompt_tokens: Tokens of each stream's prompt.
         layers: Transformer blocks of the embedded model.
         kv_heads: Attention heads (K/V heads == query heads).
         head_dim: Channels per head (even).
-        dtype: KV dtype, ``"float32"`` or ``"float16"``.
+        dtype: KV dtype, ``"float32"``, ``"float16"``, or ``"bfloat16"``
+            (synthetic engine only).
         edits: Ready-made edits to run (names of
             :data:`lmcache_mp.edits.EDITS`); each gets its own runs.
         keep: Fraction of tokens the dropping edits keep (``None``: 0.5).
@@ -84,6 +100,11 @@ class BenchConfig:
             cluster per run, one worker per ``workers``).
         ray_address: Ray cluster address for ``ray`` (``None``: a local
             runtime per run).
+        shape: The name of the preset in :data:`~lmcache_mp.bench._shapes.SHAPES`
+            the model dims came from, or ``None`` (recorded, not applied:
+            the command line applies it).
+        engine: ``"embedded"`` (the exact toy model) or ``"synthetic"``
+            (a real shape's KV without a model, for ``--shape``).
 
     Raises:
         ValueError: If a field is out of range; the message names it.
@@ -111,6 +132,8 @@ class BenchConfig:
     store: str | None = None
     scheduler: str | None = None
     ray_address: str | None = None
+    shape: str | None = None
+    engine: str = "embedded"
 
     def __post_init__(self) -> None:
         """Check every field.
@@ -139,10 +162,21 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.seed must be an int, got {self.seed!r}")
         if self.seed < 0:
             raise ValueError(f"BenchConfig.seed must be >= 0, got {self.seed}")
-        if self.dtype not in KV_DTYPES:
+        if self.engine not in BENCH_ENGINES:
             raise ValueError(
-                f"BenchConfig.dtype is {self.dtype!r}; choose one of "
-                f"{', '.join(KV_DTYPES)}"
+                f"BenchConfig.engine is {self.engine!r}; choose one of "
+                f"{', '.join(BENCH_ENGINES)}"
+            )
+        dtypes = KV_DTYPES if self.engine == "embedded" else BENCH_DTYPES
+        if self.dtype not in dtypes:
+            raise ValueError(
+                f"BenchConfig.dtype is {self.dtype!r}; the {self.engine} engine "
+                f"takes {', '.join(dtypes)}"
+            )
+        if self.shape is not None and self.shape not in SHAPES:
+            raise ValueError(
+                f"BenchConfig.shape is {self.shape!r}; choose one of "
+                f"{', '.join(SHAPES)}"
             )
         if self.keep is not None and not 0.0 < self.keep <= 1.0:
             raise ValueError(f"BenchConfig.keep must be in (0, 1], got {self.keep!r}")
@@ -159,7 +193,8 @@ class BenchConfig:
             )
         # Builds the model config now, so a shape the engine rejects fails
         # before anything runs.
-        self.engine_config()
+        if self.engine == "embedded":
+            self.engine_config()
 
     @staticmethod
     def _check_names(field: str, names: Sequence[str], known: Sequence[str]) -> None:
@@ -197,6 +232,20 @@ class BenchConfig:
             max_position=self.prompt_tokens + self.max_tokens,
         )
 
+    def make_engine(self, ctx: KVContext) -> EmbeddedEngine | SyntheticEngine:
+        """The engine of this config's phases, over ``ctx``.
+
+        Args:
+            ctx: The run's KV store.
+
+        Returns:
+            An :class:`EmbeddedEngine`, or a :class:`SyntheticEngine` of the
+            same KV layout.
+        """
+        if self.engine == "embedded":
+            return EmbeddedEngine(ctx, self.engine_config())
+        return SyntheticEngine(ctx, self.layers, self.width, self.dtype, self.seed)
+
     def edit(self, name: str) -> Edit:
         """Build the named edit with this config's ``keep`` and ``seed``.
 
@@ -232,9 +281,13 @@ class BenchConfig:
         Returns:
             ``streams`` lists of ``prompt_tokens`` ids.
         """
-        cfg = self.engine_config()
+        vocab = (
+            self.engine_config().vocab_size
+            if self.engine == "embedded"
+            else SYNTHETIC_VOCAB
+        )
         rng = np.random.default_rng(self.seed)
-        ids = rng.integers(1, cfg.vocab_size, size=(self.streams, self.prompt_tokens))
+        ids = rng.integers(1, vocab, size=(self.streams, self.prompt_tokens))
         return [[int(t) for t in row] for row in ids]
 
     def to_dict(self) -> dict[str, Any]:

@@ -22,7 +22,6 @@ from lmcache_mp.bench._machine import (
 from lmcache_mp.bench._plot import write_plot
 from lmcache_mp.bench._run import RunFigures, run_once
 from lmcache_mp.bench._table import format_header, format_point
-from lmcache_mp.engine import EmbeddedEngine
 from lmcache_mp.kv import connect
 
 __all__ = ["SCHEMA", "BenchResult", "run_bench", "to_json"]
@@ -112,14 +111,13 @@ def _warm_up(config: BenchConfig) -> None:
     process does once (building the model's weights, first numpy calls);
     workers do the same at pool start through preloading.
     """
-    engine_config = config.engine_config()
     with connect(
         chunk_size=config.chunk_size,
-        layers=engine_config.layers,
-        width=engine_config.width,
-        dtype=engine_config.dtype,
+        layers=config.layers,
+        width=config.width,
+        dtype=config.dtype,
     ) as store:
-        engine = EmbeddedEngine(store, engine_config)
+        engine = config.make_engine(store)
         prompt = config.prompts()[0][: config.chunk_size + 1]
         for _ in engine(prompt, {"max_tokens": 2, "temperature": 0.0}):
             pass

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache_mp.batch import LMCacheBatchedStream
-from lmcache_mp.bench._config import BenchConfig
+from lmcache_mp.bench._config import AUTO_UNHINTED, BenchConfig
 from lmcache_mp.bench._engines import executor_for, fresh_store_url
 from lmcache_mp.bench._monitor import PeakMemory, ProgressLine
+from lmcache_mp.bench._unhinted import Unhinted
 from lmcache_mp.edits import Edit
-from lmcache_mp.engine import EmbeddedEngine
 from lmcache_mp.executors import limit_blas_while, physical_cores
 from lmcache_mp.executors._auto import AutoExecutor
 from lmcache_mp.executors._process import ProcessExecutor
@@ -104,7 +104,8 @@ def run_once(
 
     Args:
         config: The benchmark (one sweep point of it).
-        executor: A name of :data:`BENCH_EXECUTORS`.
+        executor: A name of :data:`BENCH_EXECUTORS` (``auto-unhinted``
+            runs ``auto`` on an unhinted copy of ``edit``).
         edit: The modify fn.
         progress: Draw a progress line on stderr (``None``: when it is a
             TTY; ``False``: never).
@@ -115,19 +116,24 @@ def run_once(
     Raises:
         LMCacheBatchedStreamError: If a stream failed in a phase.
     """
-    engine_config = config.engine_config()
     store = connect(
         None if config.store is None else fresh_store_url(config.store),
         chunk_size=config.chunk_size,
-        layers=engine_config.layers,
-        width=engine_config.width,
-        dtype=engine_config.dtype,
+        layers=config.layers,
+        width=config.width,
+        dtype=config.dtype,
     )
+    fn: Any = edit
+    if executor == AUTO_UNHINTED:
+        fn = Unhinted(edit)
     try:
-        engine = EmbeddedEngine(store, engine_config)
+        engine = config.make_engine(store)
         with (
             executor_for(
-                executor, config.workers, config.scheduler, config.ray_address
+                "auto" if executor == AUTO_UNHINTED else executor,
+                config.workers,
+                config.scheduler,
+                config.ray_address,
             ) as (arg, start_s),
             LMCacheBatchedStream(
                 arg,
@@ -144,7 +150,7 @@ def run_once(
             if executor == "serial":
                 cap = limit_blas_while(physical_cores())
             with cap:
-                return _run_phases(config, batch, edit, progress, start_s)
+                return _run_phases(config, batch, executor, fn, progress, start_s)
     finally:
         store.destroy()
 
@@ -152,11 +158,11 @@ def run_once(
 def _run_phases(
     config: BenchConfig,
     batch: LMCacheBatchedStream,
-    edit: Edit,
+    name: str,
+    edit: Any,
     progress: bool | None,
     start_s: float,
 ) -> RunFigures:
-    name = batch.executor.name
     greedy = {"temperature": 0.0}
     decode_params = {"max_tokens": config.max_tokens, "ignore_eos": True, **greedy}
     calls: dict[str, Callable[[], Metrics]] = {
