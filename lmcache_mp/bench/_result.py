@@ -167,7 +167,14 @@ def run_bench(
                         for name in config.executors
                     }
                 )
-            point = point_figures(point_config, edit, value, repeats, cores)
+            point = point_figures(
+                point_config,
+                edit,
+                value,
+                repeats,
+                cores,
+                result.machine["memcpy_gb_s"],
+            )
             result.points.append(point)
             if on_point is not None:
                 on_point(point)
