@@ -274,6 +274,22 @@ def test_bfloat16_needs_the_synthetic_engine(
     assert "the embedded engine takes float16, float32" in capsys.readouterr().err
 
 
+def test_auto_brings_its_unhinted_run() -> None:
+    """Naming auto runs auto-unhinted right after it; naming both runs each
+    once, where named."""
+    assert parse("--executors", "thread,auto,process").runs == (
+        "thread",
+        "auto",
+        "auto-unhinted",
+        "process",
+    )
+    assert parse("--executors", "auto-unhinted,auto").runs == (
+        "auto-unhinted",
+        "auto",
+    )
+    assert parse("--executors", "thread").runs == ("thread",)
+
+
 def test_edit_takes_a_comma_list_of_the_issue_20_edits() -> None:
     """``--edit stride,redundancy,pyscore`` runs the three, in that order."""
     assert parse("--edit", "stride,redundancy,pyscore").edits == (
@@ -287,7 +303,7 @@ def test_edit_takes_a_comma_list_of_the_issue_20_edits() -> None:
 def synthetic_run() -> dict[str, Any]:
     """A tiny bfloat16 run on the synthetic engine: thread, auto, auto-unhinted."""
     config = BenchConfig(
-        executors=("thread", "auto", "auto-unhinted"),
+        executors=("thread", "auto"),
         engine="synthetic",
         dtype="bfloat16",
         edits=("pyscore",),

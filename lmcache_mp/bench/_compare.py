@@ -215,7 +215,7 @@ def run_compare(
     points = []
     for name in config.edits:
         edit = config.edit(name)
-        rows = [_time(config, _Ours(ex, config), edit) for ex in config.executors]
+        rows = [_time(config, _Ours(ex, config), edit) for ex in config.runs]
         unavailable = {}
         for peer in peers:
             try:

@@ -171,7 +171,7 @@ def point_figures(
     """
     ideal = min(cores, config.streams)
     executors: dict[str, Any] = {}
-    for name in config.executors:
+    for name in config.runs:
         runs = [r[name] for r in repeats]
         phases: dict[str, Any] = {}
         for phase in PHASES:

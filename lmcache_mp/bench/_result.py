@@ -164,7 +164,7 @@ def run_bench(
                 repeats.append(
                     {
                         name: run_once(point_config, name, fn, progress=progress)
-                        for name in config.executors
+                        for name in config.runs
                     }
                 )
             point = point_figures(
