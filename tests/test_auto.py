@@ -24,7 +24,13 @@ from lmcache_mp._core.phase import PhaseSpec
 from lmcache_mp.edits import make_edit
 from lmcache_mp.engine import EmbeddedEngine
 from lmcache_mp.executors import _auto
-from lmcache_mp.executors._auto import ROUND_TRIP_S, AutoExecutor, GilWatch, weigh
+from lmcache_mp.executors._auto import (
+    ROUND_TRIP_S,
+    AutoExecutor,
+    GilWatch,
+    queued_s,
+    weigh,
+)
 from lmcache_mp.hints import gil_hint
 from lmcache_mp.kv import SharedMemoryKVStore
 from tests._fakes import FakeEngine, InMemoryKV
@@ -100,6 +106,24 @@ def test_gil_watch_sees_a_sleep_release_the_gil() -> None:
     with GilWatch() as watch:
         time.sleep(0.1)
     assert watch.held < 0.3
+
+
+def test_gil_watch_reports_cpu_and_core_waits_within_the_wall_time() -> None:
+    """CPU used and time queued for a core are each within the block's wall
+    time (a sleep uses neither much)."""
+    with GilWatch() as watch:
+        spin(0.05)
+        time.sleep(0.05)
+    assert 0.0 < watch.cpu_s <= watch.wall_s
+    assert 0.0 <= watch.queued_s <= watch.wall_s
+
+
+def test_queued_time_only_grows() -> None:
+    """The run-queue wait of a thread is a running total (0 where the OS
+    does not report it)."""
+    first = queued_s()
+    spin(0.02)
+    assert queued_s() >= first >= 0.0
 
 
 def test_gil_watch_stops_its_thread() -> None:
@@ -214,8 +238,11 @@ def test_gil_free_fn_runs_on_threads(
 class _InjectedWatch:
     """Stands in for GilWatch: reports a fixed measurement of the block."""
 
-    def __init__(self, wall_s: float, cpu: float, held: float) -> None:
+    def __init__(
+        self, wall_s: float, cpu: float, held: float, queued: float = 0.0
+    ) -> None:
         self.wall_s, self.cpu_s, self.held = wall_s, wall_s * cpu, held
+        self.queued_s = wall_s * queued
 
     def __enter__(self) -> _InjectedWatch:
         return self
@@ -225,11 +252,17 @@ class _InjectedWatch:
 
 
 def _inject(
-    monkeypatch: pytest.MonkeyPatch, wall_s: float, cpu: float, held: float
+    monkeypatch: pytest.MonkeyPatch,
+    wall_s: float,
+    cpu: float,
+    held: float,
+    queued: float = 0.0,
 ) -> None:
     """Make auto see this measurement on a 2-core machine."""
     monkeypatch.setattr(_auto, "physical_cores", lambda: 2)
-    monkeypatch.setattr(_auto, "GilWatch", lambda: _InjectedWatch(wall_s, cpu, held))
+    monkeypatch.setattr(
+        _auto, "GilWatch", lambda: _InjectedWatch(wall_s, cpu, held, queued)
+    )
 
 
 def quick(kv: np.ndarray, tokens: list[int]) -> Result:
@@ -260,6 +293,17 @@ def test_measured_waiting_fn_goes_to_threads(
     report = auto_batch.modify(quick)
     assert _pids(auto_batch)[2:] == [os.getpid()] * 2
     assert _config(report)["executor_chosen"] == "thread"
+
+
+def test_time_queued_for_a_core_counts_as_cpu_not_as_waits(
+    auto_batch: lmc_batch.LMCacheBatchedStream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GIL-free fn that used a third of its stream on a core and waited
+    two thirds for one (a busy machine) is CPU work that processes spread,
+    not waits that threads overlap."""
+    _inject(monkeypatch, wall_s=0.3, cpu=1 / 3, held=0.0, queued=2 / 3)
+    report = auto_batch.modify(quick)
+    assert _config(report)["executor_chosen"] == "process"
 
 
 def test_a_running_pool_takes_streams_while_the_first_is_measured(

@@ -42,7 +42,7 @@ from lmcache_mp.executors._thread import ThreadExecutor, limit_blas_while
 from lmcache_mp.executors._worker import run_job
 from lmcache_mp.hints import gil_hint
 
-__all__ = ["AutoExecutor", "Choice", "GilWatch", "weigh"]
+__all__ = ["AutoExecutor", "Choice", "GilWatch", "queued_s", "weigh"]
 
 #: Parent-side cost of one stream on the pool (task pickling, the result
 #: queue, the outcome): 0.3-1 ms measured here on 2 cores (issue #12).
@@ -74,6 +74,23 @@ class Choice:
     processes_s: float = 0.0
 
 
+def queued_s() -> float:
+    """Seconds the calling thread has waited, runnable, for a core.
+
+    Read from ``/proc/thread-self/schedstat`` (its second field, ns; Linux
+    with schedstats); 0.0 where there is no such file, so that the callers'
+    differences are 0.
+
+    Returns:
+        The thread's run-queue wait since it started.
+    """
+    try:
+        with open("/proc/thread-self/schedstat", encoding="ascii") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 class GilWatch:
     """Measure how much a block of code holds the GIL.
 
@@ -85,6 +102,13 @@ class GilWatch:
     interval, over the most it can be (a switch interval per nap), is the
     GIL-held share; bytecode run in bursts shorter than that counts as
     released.
+
+    On a machine busy with other processes the watched thread also waits
+    for a core (issue #20: load 5 on 2 cores); where Linux reports that
+    wait (``/proc/thread-self/schedstat``) it is ``queued_s``: CPU the
+    block wanted but did not get, not a wait that threads would overlap.
+    (Taking the watcher's own core waits out of its delays was tried: it
+    took out GIL handoffs too, and read a pure-Python loop as 20-90% held.)
     """
 
     _NAP_S = 1e-3
@@ -99,6 +123,10 @@ class GilWatch:
         self.wall_s = 0.0
         #: CPU seconds the watched thread used in it (set on exit).
         self.cpu_s = 0.0
+        #: Seconds it waited for a core, runnable (set on exit; 0 where the
+        #: OS does not say).
+        self.queued_s = 0.0
+        self._queued_begin = 0.0
 
     def _watch(self) -> None:
         while not self._stop.is_set():
@@ -124,6 +152,7 @@ class GilWatch:
     def __enter__(self) -> GilWatch:
         self._begin = time.perf_counter()
         self._cpu_begin = time.thread_time()
+        self._queued_begin = queued_s()
         self._thread.start()
         return self
 
@@ -135,6 +164,7 @@ class GilWatch:
     ) -> None:
         self.wall_s = time.perf_counter() - self._begin
         self.cpu_s = time.thread_time() - self._cpu_begin
+        self.queued_s = queued_s() - self._queued_begin
         self._stop.set()
         self._thread.join()
 
@@ -339,7 +369,9 @@ class AutoExecutor(PhaseExecutor):
         ):
             first = run_job(spec, jobs[0], remote=False)
         held = 0.0 if gil_hint(spec.fn) is False else watch.held
-        cpu = min(1.0, watch.cpu_s / watch.wall_s) if watch.wall_s > 0 else 1.0
+        # Time spent queued for a core is CPU the stream needed (#20).
+        busy = watch.cpu_s + watch.queued_s
+        cpu = min(1.0, busy / watch.wall_s) if watch.wall_s > 0 else 1.0
         rest = jobs[1 + len(ahead) :]
         # Weighed for every other stream, as a later phase of the same fn
         # (which reuses the choice) runs them all on it.
