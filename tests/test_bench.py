@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -389,6 +390,37 @@ def test_synthetic_engine_decodes_by_the_cached_kv(
     store.store(np.zeros((2, 1, 8, 8), np.float32), prompt, overwrite=True)
     edited = list(engine(prompt, {"max_tokens": 3}))
     assert [e.token_id for e in edited] != [e.token_id for e in first]
+
+
+@dataclasses.dataclass(frozen=True)
+class _FailsOn:
+    """An edit that fails the stream whose prompt starts with ``token``."""
+
+    token: int
+
+    def __call__(self, kv: Any, tokens: list[int]) -> Any:
+        if tokens[0] == self.token:
+            raise ValueError("this stream's KV is gone")
+        return kv, tokens
+
+
+def test_failed_streams_are_reported_and_the_run_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream failing a phase does not end the benchmark: the phase's
+    figures count it, the other phases run, the table says FAILED and the
+    command's result counts it (issue #20: lost KV showed no table)."""
+    config = BenchConfig(executors=("thread",), **TINY)
+    first = config.prompts()[0][0]
+    monkeypatch.setattr(BenchConfig, "edit", lambda self, name: _FailsOn(first))
+    result = run_bench(config, progress=False)
+    phases = result.points[0]["executors"]["thread"]["phases"]
+    assert phases["modify"]["failed_streams"]["median"] == 1
+    assert phases["decode"]["output_tokens"]["median"] == 2 * TINY["max_tokens"]
+    assert result.failed_streams == 1
+    assert "FAILED: modify on thread (repeat 1): 1 of 2 streams; first:" in (
+        result.format()
+    )
 
 
 # -- the JSON result ---------------------------------------------------------------

@@ -352,7 +352,8 @@ def run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
         args: Its parsed arguments.
 
     Returns:
-        The exit status: 0, or 1 when a phase failed.
+        The exit status: 0, or 1 when a phase or a stream failed (the table
+        is printed first, with the failures).
     """
     config = config_from_args(parser, args)
     if args.compare is not None:
@@ -369,7 +370,7 @@ def run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
     if args.plot is not None:
         result.write_plot(args.plot)
         print(f"plot written to {args.plot}")
-    return 0
+    return 1 if result.failed_streams else 0
 
 
 def _run_compare(config: BenchConfig, peers: Sequence[str], path: str | None) -> int:

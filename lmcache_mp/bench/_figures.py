@@ -108,6 +108,7 @@ def _phase_values(
         "kv_gb_s": None,
         "kv_vs_memcpy": None,
         "peak_rss_bytes": fig.peak_rss_bytes,
+        "failed_streams": len(fig.failures),
         "pool_start_s": fig.metric("transport", "pool_start_s"),
         "pool_rebuilds": fig.metric("transport", "pool_rebuilds"),
     }
@@ -183,6 +184,7 @@ def point_figures(
             ]
             phases[phase] = _collect(per_repeat)
             phases[phase]["reports"] = [run.phases[phase].report for run in runs]
+            phases[phase]["failures"] = [run.phases[phase].failures for run in runs]
         executors[name] = {
             "workers": runs[0].workers,
             "pool_start_s": stats([run.pool_start_s for run in runs]),

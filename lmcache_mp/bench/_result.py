@@ -67,6 +67,17 @@ class BenchResult:
             "points": list(self.points),
         }
 
+    @property
+    def failed_streams(self) -> int:
+        """Stream failures over every point, executor, phase and repeat."""
+        return sum(
+            len(failed)
+            for point in self.points
+            for ex in point["executors"].values()
+            for phase in ex["phases"].values()
+            for failed in phase["failures"]
+        )
+
     def format(self) -> str:
         """Return the text report: header, then a table and notes per point."""
         data = self.to_dict()
@@ -145,7 +156,8 @@ def run_bench(
         The figures of every point.
 
     Raises:
-        LMCacheBatchedStreamError: If a stream failed in a phase.
+        LMCacheBatchedStreamError: If a phase failed as a whole (streams
+            that fail are in the figures: ``failures`` per phase).
     """
     started = time.perf_counter()
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -14,6 +14,7 @@ from lmcache_mp.bench._engines import executor_for, fresh_store_url
 from lmcache_mp.bench._monitor import PeakMemory, ProgressLine
 from lmcache_mp.bench._unhinted import Unhinted
 from lmcache_mp.edits import Edit
+from lmcache_mp.errors import LMCacheBatchedStreamError
 from lmcache_mp.executors import limit_blas_while, physical_cores
 from lmcache_mp.executors._auto import AutoExecutor
 from lmcache_mp.executors._process import ProcessExecutor
@@ -46,7 +47,9 @@ class PhaseFigures:
         per_stream_s: Sum of the streams' own durations.
         pickled_bytes: Bytes pickled to and from workers.
         peak_rss_bytes: Peak RSS of the parent plus its descendants.
-        report: The phase's report, ``Metrics.to_dict()``.
+        report: The phase's report, ``Metrics.to_dict()`` (of the streams
+            that succeeded, when some failed).
+        failures: Stream id to the error of each stream that failed.
     """
 
     wall_s: float
@@ -54,6 +57,7 @@ class PhaseFigures:
     pickled_bytes: int
     peak_rss_bytes: int
     report: dict[str, Any]
+    failures: dict[str, str] = field(default_factory=dict)
 
     def metric(self, section: str, key: str) -> Any:
         """A value of the report, ``None`` when it has no such entry."""
@@ -118,10 +122,11 @@ def run_once(
             TTY; ``False``: never).
 
     Returns:
-        The run's figures.
+        The run's figures; a phase in which streams failed has their errors
+        in its ``failures`` and the others' figures.
 
     Raises:
-        LMCacheBatchedStreamError: If a stream failed in a phase.
+        LMCacheBatchedStreamError: If a phase failed as a whole.
     """
     store = connect(
         None if config.store is None else fresh_store_url(config.store),
@@ -188,7 +193,17 @@ def _run_phases(
         for phase in PHASES:
             with ProgressLine(f"[{name}] {phase}", enabled=progress):
                 begin = time.perf_counter()
-                metrics = calls[phase]()
+                failures: dict[str, str] = {}
+                try:
+                    metrics = calls[phase]()
+                except LMCacheBatchedStreamError as exc:
+                    # Streams that failed (issue #20: KV evicted from a full
+                    # store) are reported with the figures of the others;
+                    # the run goes on, so the table shows what happened.
+                    if exc.metrics is None:
+                        raise
+                    metrics = exc.metrics
+                    failures = {sid: str(err) for sid, err in exc.failures.items()}
                 wall = time.perf_counter() - begin
             report = metrics.to_dict()
             if phase == "modify":
@@ -196,7 +211,12 @@ def _run_phases(
             else:
                 per_stream = sum(p.duration for p in batch.perf_metrics.values())
             run.phases[phase] = PhaseFigures(
-                wall, per_stream, _transport_bytes(report), memory.reset(), report
+                wall,
+                per_stream,
+                _transport_bytes(report),
+                memory.reset(),
+                report,
+                failures,
             )
     run.outputs = [list(s.state.output_ids) for s in batch.streams.values()]
     return run

@@ -170,9 +170,26 @@ def _first(point: dict[str, Any], phase: str, key: str) -> str:
     return " / ".join(f"{v:,.0f}" for v in sorted(values)) or "-"
 
 
+def _failures(point: dict[str, Any]) -> list[str]:
+    """One line per phase of an executor in which streams failed."""
+    lines = []
+    streams = point["config"]["streams"]
+    for name, ex in point["executors"].items():
+        for phase in _LATENCY:
+            for repeat, failed in enumerate(ex["phases"][phase]["failures"]):
+                if failed:
+                    first = next(iter(failed.values()))
+                    lines.append(
+                        f"FAILED: {phase} on {name} (repeat {repeat + 1}): "
+                        f"{len(failed)} of {streams} streams; first: {first}"
+                    )
+    return lines
+
+
 def _notes(point: dict[str, Any]) -> list[str]:
     ideal = point["ideal_parallelism"]
     notes = [
+        *_failures(point),
         "x thread: the thread executor's wall time / this one's (above 1: faster).",
         f"efficiency: serial time / (wall x min(cores, streams) = {ideal}); "
         f"serial time = {point['serial_basis']}.",

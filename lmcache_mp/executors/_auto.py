@@ -181,14 +181,15 @@ def weigh(
 
     The GIL-held share is a share of the stream's *wall* time (what the
     watch measures): that much of every stream runs one at a time on
-    threads, whatever the cores, and whether the holder computed or waited
-    for a core (issue #20: a fn holding the GIL 98% of the time was
-    estimated as fast on threads as on processes, because its CPU share,
-    lowered by other processes on a busy machine, was taken for waits that
-    threads overlap). Of the rest, the CPU work runs on the cores at
-    ``THREAD_EFFICIENCY``, and the waits (I/O, sleeps) overlap. Processes
-    run whole streams on ``min(cores, rest)`` workers, in rounds, plus a
-    round trip per stream and the pool start.
+    threads, whatever the cores and whatever its CPU share (the holder may
+    be waiting for a core on a busy machine: the GIL stays held). Issue
+    #20 saw a fn holding the GIL 98% of the time estimated within 2% on
+    threads and processes, where the old model scaled the whole stream by
+    its CPU share and a GIL share floored by the cores. Of the rest, the
+    CPU work runs on the cores at ``THREAD_EFFICIENCY``, and the waits
+    (I/O, sleeps) overlap. Processes run whole streams on ``min(cores,
+    rest)`` workers, in rounds, plus a round trip per stream and the pool
+    start.
 
     Args:
         seconds: One stream's measured wall seconds on one core.
