@@ -186,6 +186,23 @@ def _failures(point: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _auto_notes(executors: dict[str, Any]) -> list[str]:
+    """auto's modify wall time against the better of threads and processes."""
+    walls = {
+        name: ex["phases"]["modify"]["wall_s"]["median"]
+        for name, ex in executors.items()
+    }
+    if "thread" not in walls or "process" not in walls:
+        return []
+    best = min(walls["thread"], walls["process"])
+    return [
+        f"modify, {name} vs the better of thread and process: "
+        f"{best / walls[name]:.2f}x (project goal: >= 0.95x, issue #20)."
+        for name in ("auto", "auto-unhinted")
+        if name in walls
+    ]
+
+
 def _notes(point: dict[str, Any]) -> list[str]:
     ideal = point["ideal_parallelism"]
     notes = [
@@ -236,6 +253,7 @@ def _notes(point: dict[str, Any]) -> list[str]:
             f"{0.9 * ideal:.2f}x on a GIL-bound edit such as pyscore; >= "
             f"{1 / 1.2:.2f}x, i.e. within 1.2x, on overhead-dominated edits)."
         )
+    notes += _auto_notes(executors)
     for name, ex in executors.items():
         config = (
             ex["phases"]["modify"]["reports"][0].get("metrics", {}).get("config", {})
