@@ -63,6 +63,13 @@ def _positive(name: str, value: Any) -> None:
         raise ValueError(f"BenchConfig.{name} must be an int >= 1, got {value!r}")
 
 
+def _one_of(name: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(
+            f"BenchConfig.{name} is {value!r}; choose one of {', '.join(choices)}"
+        )
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """One benchmark: prefill -> modify -> decode, once per executor.
@@ -163,35 +170,24 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.seed must be an int, got {self.seed!r}")
         if self.seed < 0:
             raise ValueError(f"BenchConfig.seed must be >= 0, got {self.seed}")
-        if self.engine not in BENCH_ENGINES:
-            raise ValueError(
-                f"BenchConfig.engine is {self.engine!r}; choose one of "
-                f"{', '.join(BENCH_ENGINES)}"
-            )
+        _one_of("engine", self.engine, BENCH_ENGINES)
         dtypes = KV_DTYPES if self.engine == "embedded" else BENCH_DTYPES
         if self.dtype not in dtypes:
             raise ValueError(
                 f"BenchConfig.dtype is {self.dtype!r}; the {self.engine} engine "
                 f"takes {', '.join(dtypes)}"
             )
-        if self.shape is not None and self.shape not in SHAPES:
-            raise ValueError(
-                f"BenchConfig.shape is {self.shape!r}; choose one of "
-                f"{', '.join(SHAPES)}"
-            )
+        if self.shape is not None:
+            _one_of("shape", self.shape, tuple(SHAPES))
         if self.keep is not None and not 0.0 < self.keep <= 1.0:
             raise ValueError(f"BenchConfig.keep must be in (0, 1], got {self.keep!r}")
-        methods = multiprocessing.get_all_start_methods()
-        if self.start_method not in methods:
-            raise ValueError(
-                f"BenchConfig.start_method is {self.start_method!r}; choose one "
-                f"of {', '.join(methods)}"
-            )
-        if self.sweep is not None and self.sweep not in SWEEPS:
-            raise ValueError(
-                f"BenchConfig.sweep is {self.sweep!r}; choose one of "
-                f"{', '.join(SWEEPS)}"
-            )
+        _one_of(
+            "start_method",
+            self.start_method,
+            tuple(multiprocessing.get_all_start_methods()),
+        )
+        if self.sweep is not None:
+            _one_of("sweep", self.sweep, SWEEPS)
         # Builds the model config now, so a shape the engine rejects fails
         # before anything runs.
         if self.engine == "embedded":
