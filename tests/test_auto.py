@@ -23,7 +23,14 @@ import lmcache_mp.stream as lmc_stream
 from lmcache_mp._core.phase import PhaseSpec
 from lmcache_mp.edits import make_edit
 from lmcache_mp.engine import EmbeddedEngine
-from lmcache_mp.executors._auto import AutoExecutor, GilWatch, weigh
+from lmcache_mp.executors import _auto
+from lmcache_mp.executors._auto import (
+    ROUND_TRIP_S,
+    AutoExecutor,
+    GilWatch,
+    queued_s,
+    weigh,
+)
 from lmcache_mp.hints import gil_hint
 from lmcache_mp.kv import SharedMemoryKVStore
 from tests._fakes import FakeEngine, InMemoryKV
@@ -101,6 +108,24 @@ def test_gil_watch_sees_a_sleep_release_the_gil() -> None:
     assert watch.held < 0.3
 
 
+def test_gil_watch_reports_cpu_and_core_waits_within_the_wall_time() -> None:
+    """CPU used and time queued for a core are each within the block's wall
+    time (a sleep uses neither much)."""
+    with GilWatch() as watch:
+        spin(0.05)
+        time.sleep(0.05)
+    assert 0.0 < watch.cpu_s <= watch.wall_s
+    assert 0.0 <= watch.queued_s <= watch.wall_s
+
+
+def test_queued_time_only_grows() -> None:
+    """The run-queue wait of a thread is a running total (0 where the OS
+    does not report it)."""
+    first = queued_s()
+    spin(0.02)
+    assert queued_s() >= first >= 0.0
+
+
 def test_gil_watch_stops_its_thread() -> None:
     """The watcher thread ends with the block."""
     before = threading.active_count()
@@ -114,6 +139,10 @@ def test_gil_watch_stops_its_thread() -> None:
     [
         (0.5, 1.0, 1.0, 0.0, "process"),  # GIL-bound, pool running
         (0.5, 1.0, 1.0, 1.0, "process"),  # GIL-bound and long enough to start one
+        # GIL-bound on a busy machine: half its wall time it waited for a
+        # core, holding the GIL all along; not waits threads overlap (#20).
+        (0.3, 0.98, 0.5, 0.0, "process"),
+        (0.2, 0.05, 1.0, 0.0, "process"),  # BLAS work: processes use both cores
         (0.002, 1.0, 1.0, 1.0, "thread"),  # GIL-bound but cheap: not worth a start
         (0.05, 0.0, 1.0, 1.0, "thread"),  # releases the GIL; a start costs more
         (0.05, 0.0, 0.0, 0.0, "thread"),  # waits (I/O): threads overlap them all
@@ -123,11 +152,38 @@ def test_gil_watch_stops_its_thread() -> None:
 def test_weigh_picks_the_cheaper_executor(
     seconds: float, held: float, cpu: float, start_s: float, expected: str
 ) -> None:
-    """The cost model: threads overlap waits but run held CPU work serially;
-    processes pay a round trip per stream and the pool start."""
+    """The cost model: threads overlap waits but run the GIL-held share
+    serially; processes pay a round trip per stream and the pool start."""
     choice = weigh(seconds, held, rest=7, cores=2, start_s=start_s, cpu=cpu)
     assert choice.executor == expected
     assert f"{held:.0%}" in choice.reason
+
+
+@pytest.mark.parametrize("cores", [2, 8, 64])
+@pytest.mark.parametrize("cpu", [1.0, 0.4])
+def test_weigh_counts_a_gil_holding_fn_as_serial_on_threads(
+    cores: int, cpu: float
+) -> None:
+    """A fn holding the GIL all its wall time costs the sum of its streams on
+    threads, whatever the cores and however much of it was CPU (issue #20)."""
+    choice = weigh(0.3, 1.0, rest=7, cores=cores, start_s=0.0, cpu=cpu)
+    assert choice.threads_s == pytest.approx(7 * 0.3)
+    assert choice.executor == "process"
+
+
+def test_weigh_counts_processes_in_rounds_of_workers() -> None:
+    """Processes run whole streams, ``cores`` at a time: 7 streams on 2 cores
+    take 4 rounds, plus a round trip each and the pool start."""
+    choice = weigh(0.3, 1.0, rest=7, cores=2, start_s=0.5)
+    assert choice.processes_s == pytest.approx(4 * 0.3 + 7 * ROUND_TRIP_S + 0.5)
+
+
+def test_weigh_runs_gil_free_cpu_work_on_threads_with_many_cores() -> None:
+    """CPU work that releases the GIL spreads over threads: with cores to
+    spare and no pool running, a start is not worth it."""
+    choice = weigh(0.05, 0.0, rest=15, cores=32, start_s=1.0, cpu=1.0)
+    assert choice.executor == "thread"
+    assert choice.threads_s < choice.processes_s
 
 
 # --- hints -----------------------------------------------------------------------
@@ -167,12 +223,118 @@ def test_gil_bound_fn_runs_on_processes(
 
 
 def test_gil_free_fn_runs_on_threads(
-    auto_batch: lmc_batch.LMCacheBatchedStream,
+    auto_batch: lmc_batch.LMCacheBatchedStream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An unknown fn that releases the GIL runs on threads in this process."""
+    """An unknown fn that releases the GIL runs on threads in this process
+    (but the one stream a running pool's idle worker took while the first
+    was measured)."""
+    monkeypatch.setattr(_auto, "physical_cores", lambda: 2)
     report = auto_batch.modify(sleeper)
-    assert set(_pids(auto_batch)) == {os.getpid()}
+    pids = _pids(auto_batch)
+    assert pids[0] == pids[2] == pids[3] == os.getpid()
     assert _config(report)["executor_chosen"] == "thread"
+
+
+class _InjectedWatch:
+    """Stands in for GilWatch: reports a fixed measurement of the block."""
+
+    def __init__(
+        self, wall_s: float, cpu: float, held: float, queued: float = 0.0
+    ) -> None:
+        self.wall_s, self.cpu_s, self.held = wall_s, wall_s * cpu, held
+        self.queued_s = wall_s * queued
+
+    def __enter__(self) -> _InjectedWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _inject(
+    monkeypatch: pytest.MonkeyPatch,
+    wall_s: float,
+    cpu: float,
+    held: float,
+    queued: float = 0.0,
+) -> None:
+    """Make auto see this measurement on a 2-core machine."""
+    monkeypatch.setattr(_auto, "physical_cores", lambda: 2)
+    monkeypatch.setattr(
+        _auto, "GilWatch", lambda: _InjectedWatch(wall_s, cpu, held, queued)
+    )
+
+
+def quick(kv: np.ndarray, tokens: list[int]) -> Result:
+    """An unhinted edit that does nothing; reports its pid."""
+    return kv, tokens, os.getpid()
+
+
+def test_measured_gil_holding_fn_goes_to_processes(
+    auto_batch: lmc_batch.LMCacheBatchedStream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fn measured holding the GIL 98% of a 300 ms stream, at half CPU
+    (a busy machine), runs on processes: threads would run it serially
+    (issue #20)."""
+    _inject(monkeypatch, wall_s=0.3, cpu=0.5, held=0.98)
+    report = auto_batch.modify(quick)
+    pids = _pids(auto_batch)
+    assert pids[0] == os.getpid()
+    assert os.getpid() not in pids[1:]
+    assert _config(report)["executor_chosen"] == "process"
+
+
+def test_measured_waiting_fn_goes_to_threads(
+    auto_batch: lmc_batch.LMCacheBatchedStream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fn measured waiting (no CPU, no GIL) runs on threads, which
+    overlap its waits."""
+    _inject(monkeypatch, wall_s=0.05, cpu=0.0, held=0.0)
+    report = auto_batch.modify(quick)
+    assert _pids(auto_batch)[2:] == [os.getpid()] * 2
+    assert _config(report)["executor_chosen"] == "thread"
+
+
+def test_time_queued_for_a_core_counts_as_cpu_not_as_waits(
+    auto_batch: lmc_batch.LMCacheBatchedStream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GIL-free fn that used a third of its stream on a core and waited
+    two thirds for one (a busy machine) is CPU work that processes spread,
+    not waits that threads overlap."""
+    _inject(monkeypatch, wall_s=0.3, cpu=1 / 3, held=0.0, queued=2 / 3)
+    report = auto_batch.modify(quick)
+    assert _config(report)["executor_chosen"] == "process"
+
+
+def test_a_running_pool_takes_streams_while_the_first_is_measured(
+    auto_batch: lmc_batch.LMCacheBatchedStream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the first stream is measured here, the pool's other worker
+    runs the second, so the measurement costs the pool no round."""
+    _inject(monkeypatch, wall_s=0.05, cpu=0.0, held=0.0)
+    auto_batch.modify(quick)
+    pids = _pids(auto_batch)
+    executor = auto_batch.executor
+    assert isinstance(executor, AutoExecutor)
+    assert pids[1] in executor.process.pids()
+
+
+def test_an_idle_pool_is_not_started_to_run_beside_the_measurement(
+    store: SharedMemoryKVStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before the pool runs, the measured stream runs alone: a pool start
+    would outlast it, and threads may be the choice."""
+    _inject(monkeypatch, wall_s=0.05, cpu=0.0, held=0.0)
+    with lmc_batch.LMCacheBatchedStream("auto", max_workers=2) as batch:
+        engine = FakeEngine(store)
+        for i in range(4):
+            batch.add(lmc_stream.create_request(store, engine, list(range(i, i + 8))))
+        batch.prefill({})
+        batch.modify(quick)
+        executor = batch.executor
+        assert isinstance(executor, AutoExecutor)
+        assert executor.process.pids() == []
+    assert set(_pids(batch)) == {os.getpid()}
 
 
 def test_decision_is_kept_for_the_same_fn(

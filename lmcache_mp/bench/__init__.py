@@ -29,6 +29,7 @@ JSON schema ``lmcache-mp-bench/1`` (:meth:`BenchResult.to_dict`)::
         "load_average_1m": float | null,      # at the start
         "load_average_1m_end": float | null,  # at the end
         "memcpy_gb_s": float, "pickle_gb_s": float,  # measured references
+            # (256 MiB, one core, into touched pages, best of 5)
         "python": "3.11.4", "python_implementation": "CPython",
         "numpy": "1.26.4", "lmcache_mp": "0.1.0",
         "platform": str, "machine": "x86_64", "start_method": "spawn",
@@ -46,7 +47,7 @@ JSON schema ``lmcache-mp-bench/1`` (:meth:`BenchResult.to_dict`)::
           "outputs_agree": bool,      # decoded tokens equal in every run
           "mismatched_streams": int,
           "executors": {
-            "thread" | "process" | "serial": {
+            "thread" | "process" | "serial" | "auto" | "auto-unhinted": {
               "workers": int,         # processes, or threads
               "pool_start_s": STATS,  # process: start() before the phases
               "total_s": STATS,       # pool start + the three phases
@@ -62,6 +63,10 @@ JSON schema ``lmcache-mp-bench/1`` (:meth:`BenchResult.to_dict`)::
                   "per_stream_sum_s": STATS,
                   "pickled_bytes": STATS,    # through pipes, both ways
                   "kv_bytes": STATS | null,  # modify: KV read + written
+                  "kv_gb_s": STATS | null,   # modify: kv_bytes / wall_s
+                  "kv_vs_memcpy": STATS | null,  # kv_gb_s / memcpy_gb_s
+                  "failed_streams": STATS,   # streams that failed
+                  "failures": [{stream_id: error}, ...],  # per repeat
                   "peak_rss_bytes": STATS,   # parent + all children
                   "pool_start_s": STATS,     # pool (re)starts in the phase
                   "pool_rebuilds": STATS,

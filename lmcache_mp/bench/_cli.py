@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from lmcache_mp._util.paths import atomic_write_text
 from lmcache_mp.bench._compare import (
@@ -16,7 +18,9 @@ from lmcache_mp.bench._compare import (
     run_compare,
 )
 from lmcache_mp.bench._config import (
+    BENCH_DTYPES,
     BENCH_EDITS,
+    BENCH_ENGINES,
     BENCH_EXECUTORS,
     DEFAULT_KEEP,
     DROPPING_EDITS,
@@ -27,7 +31,7 @@ from lmcache_mp.bench._machine import machine_info, references
 from lmcache_mp.bench._peers import PEERS
 from lmcache_mp.bench._plot import require_matplotlib
 from lmcache_mp.bench._result import run_bench
-from lmcache_mp.engine._config import KV_DTYPES
+from lmcache_mp.bench._shapes import SHAPES
 from lmcache_mp.errors import KVConfigError, LMCacheError
 from lmcache_mp.executors import physical_cores
 
@@ -142,11 +146,41 @@ def add_bench_parser(
     _int(run, "--chunk-size", 1, d.chunk_size, "tokens per KV store chunk")
     _int(run, "--seed", 0, d.seed, "seed of the prompts, weights and random edit")
     model = p.add_argument_group("model size")
-    _int(model, "--layers", 1, d.layers, "transformer blocks")
-    _int(model, "--kv-heads", 1, d.kv_heads, "attention heads")
-    _int(model, "--head-dim", 2, d.head_dim, "channels per head, even")
     model.add_argument(
-        "--dtype", choices=KV_DTYPES, default=d.dtype, help=f"(default: {d.dtype})"
+        "--shape",
+        choices=sorted(SHAPES),
+        default=None,
+        help="a real model's KV shape: sets --layers, --kv-heads, --head-dim and "
+        "--dtype (flags given beside it win) and runs the synthetic engine "
+        "(issue #20)",
+    )
+    model.add_argument(
+        "--engine",
+        choices=BENCH_ENGINES,
+        default=None,
+        help="embedded: the exact toy model; synthetic: the KV of a real shape "
+        "without a model (table rows per token), for shapes the toy model "
+        "cannot run (default: synthetic with --shape, else embedded)",
+    )
+    for flag, least, text in (
+        ("--layers", 1, "transformer blocks"),
+        ("--kv-heads", 1, "KV heads"),
+        ("--head-dim", 2, "channels per head, even"),
+    ):
+        model.add_argument(
+            flag,
+            type=_int_at_least(least),
+            default=None,
+            metavar="N",
+            help=f"{text} (default: the --shape's, else "
+            f"{getattr(d, flag[2:].replace('-', '_'))})",
+        )
+    model.add_argument(
+        "--dtype",
+        choices=BENCH_DTYPES,
+        default=None,
+        help=f"KV dtype; bfloat16 needs the synthetic engine (default: the "
+        f"--shape's, else {d.dtype})",
     )
     pool = p.add_argument_group("executors")
     pool.add_argument(
@@ -266,15 +300,12 @@ def config_from_args(
             require_matplotlib()
         except ImportError as exc:
             parser.error(f"--plot: {exc}")
+    dims = _model_dims(args)
     try:
         return BenchConfig(
             executors=args.executors,
             streams=args.streams,
             prompt_tokens=args.prompt_tokens,
-            layers=args.layers,
-            kv_heads=args.kv_heads,
-            head_dim=args.head_dim,
-            dtype=args.dtype,
             edits=args.edit,
             keep=args.keep,
             max_tokens=args.max_tokens,
@@ -287,9 +318,30 @@ def config_from_args(
             store=args.store,
             scheduler=args.scheduler,
             ray_address=args.ray_address,
+            **dims,
         )
     except (ValueError, KVConfigError) as exc:
         parser.error(f"invalid configuration: {exc}")
+
+
+def _model_dims(args: argparse.Namespace) -> dict[str, Any]:
+    """The model fields: flags given, else the ``--shape``'s, else the defaults."""
+    base: dict[str, Any] = {
+        "layers": _DEFAULTS.layers,
+        "kv_heads": _DEFAULTS.kv_heads,
+        "head_dim": _DEFAULTS.head_dim,
+        "dtype": _DEFAULTS.dtype,
+        "engine": _DEFAULTS.engine,
+        "shape": args.shape,
+    }
+    if args.shape is not None:
+        base.update(dataclasses.asdict(SHAPES[args.shape]), engine="synthetic")
+    given = {
+        key: getattr(args, key)
+        for key in ("layers", "kv_heads", "head_dim", "dtype", "engine")
+        if getattr(args, key) is not None
+    }
+    return {**base, **given}
 
 
 def run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -300,7 +352,8 @@ def run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
         args: Its parsed arguments.
 
     Returns:
-        The exit status: 0, or 1 when a phase failed.
+        The exit status: 0, or 1 when a phase or a stream failed (the table
+        is printed first, with the failures).
     """
     config = config_from_args(parser, args)
     if args.compare is not None:
@@ -317,7 +370,7 @@ def run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
     if args.plot is not None:
         result.write_plot(args.plot)
         print(f"plot written to {args.plot}")
-    return 0
+    return 1 if result.failed_streams else 0
 
 
 def _run_compare(config: BenchConfig, peers: Sequence[str], path: str | None) -> int:

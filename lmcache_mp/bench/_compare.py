@@ -20,7 +20,7 @@ from tabulate import tabulate
 
 from lmcache_mp._core.records import StreamState
 from lmcache_mp.batch import LMCacheBatchedStream
-from lmcache_mp.bench._config import BenchConfig
+from lmcache_mp.bench._config import AUTO_UNHINTED, BenchConfig
 from lmcache_mp.bench._monitor import PeakMemory
 from lmcache_mp.bench._peers import (
     Item,
@@ -29,10 +29,12 @@ from lmcache_mp.bench._peers import (
     make_peer,
     no_engine,
 )
+from lmcache_mp.bench._unhinted import Unhinted
 from lmcache_mp.edits import Edit
 from lmcache_mp.executors._auto import AutoExecutor
 from lmcache_mp.executors._process import ProcessExecutor
 from lmcache_mp.kv import SharedMemoryKVStore, connect
+from lmcache_mp.kv._layout import resolve_dtype
 from lmcache_mp.metrics import Metrics
 from lmcache_mp.stream import LMCacheStream, create_request
 
@@ -77,13 +79,14 @@ def _fill(config: BenchConfig) -> tuple[SharedMemoryKVStore, list[list[int]]]:
     rng = np.random.default_rng(config.seed)
     prompts = config.prompts()
     shape = (2, config.layers, config.prompt_tokens, config.width)
+    dtype = resolve_dtype(config.dtype)
     for prompt in prompts:
-        store.store(rng.standard_normal(shape, np.float32).astype(config.dtype), prompt)
+        store.store(rng.standard_normal(shape, np.float32).astype(dtype), prompt)
     return store, prompts
 
 
 def _kv_bytes(config: BenchConfig) -> int:
-    itemsize = np.dtype(config.dtype).itemsize
+    itemsize = resolve_dtype(config.dtype).itemsize
     return 2 * config.layers * config.prompt_tokens * config.width * itemsize
 
 
@@ -99,10 +102,11 @@ class _Ours(Peer):
     def start(self) -> None:
         config = self._config
         self._batch = LMCacheBatchedStream(
-            self.name,
+            "auto" if self.name == AUTO_UNHINTED else self.name,
             max_workers=config.workers,
             mp_context=config.start_method,
-            preload=("lmcache_mp.edits",),
+            # The unhinted wrapper's package too (as the bench's preload).
+            preload=("lmcache_mp.edits", "lmcache_mp.bench._unhinted"),
         )
         executor = self._batch.executor
         pool = executor.process if isinstance(executor, AutoExecutor) else executor
@@ -120,7 +124,8 @@ class _Ours(Peer):
     def modify(
         self, store: SharedMemoryKVStore, items: Sequence[Item], edit: Edit
     ) -> list[list[int]]:
-        self._reports.append(self._batch.modify(edit))
+        fn: Any = Unhinted(edit) if self.name == AUTO_UNHINTED else edit
+        self._reports.append(self._batch.modify(fn))
         return [s.tokens for s in self._streams]
 
     def close(self) -> None:
@@ -210,7 +215,7 @@ def run_compare(
     points = []
     for name in config.edits:
         edit = config.edit(name)
-        rows = [_time(config, _Ours(ex, config), edit) for ex in config.executors]
+        rows = [_time(config, _Ours(ex, config), edit) for ex in config.runs]
         unavailable = {}
         for peer in peers:
             try:

@@ -90,6 +90,7 @@ def _phase_values(
     fig: PhaseFigures,
     runs: dict[str, RunFigures],
     ideal: int,
+    memcpy_gb_s: float | None,
 ) -> dict[str, float | None]:
     """One executor's figures for one phase in one repeat."""
     thread = runs.get("thread")
@@ -104,7 +105,10 @@ def _phase_values(
         "per_stream_sum_s": fig.per_stream_s,
         "pickled_bytes": fig.pickled_bytes,
         "kv_bytes": None,
+        "kv_gb_s": None,
+        "kv_vs_memcpy": None,
         "peak_rss_bytes": fig.peak_rss_bytes,
+        "failed_streams": len(fig.failures),
         "pool_start_s": fig.metric("transport", "pool_start_s"),
         "pool_rebuilds": fig.metric("transport", "pool_rebuilds"),
     }
@@ -113,6 +117,10 @@ def _phase_values(
     if phase == "modify":
         kv_in = fig.metric("results", "kv_bytes_in") or 0
         values["kv_bytes"] = kv_in + (fig.metric("results", "kv_bytes_out") or 0)
+        # KV moved per second of the phase, against one core's memcpy
+        # measured in the same run (issue #20: how far from memory speed).
+        values["kv_gb_s"] = _ratio(values["kv_bytes"], fig.wall_s * 1e9)
+        values["kv_vs_memcpy"] = _ratio(values["kv_gb_s"], memcpy_gb_s)
         values["throughput_tok_s"] = _ratio(values["tokens_before"], fig.wall_s)
     return values
 
@@ -146,6 +154,7 @@ def point_figures(
     sweep_value: int | None,
     repeats: Sequence[dict[str, RunFigures]],
     cores: int,
+    memcpy_gb_s: float | None = None,
 ) -> dict[str, Any]:
     """The JSON-ready figures of one benchmark point.
 
@@ -155,22 +164,27 @@ def point_figures(
         sweep_value: The swept parameter's value, or ``None``.
         repeats: For each repeat, executor name -> its run.
         cores: Cores a run can use.
+        memcpy_gb_s: The run's single-core memcpy rate, the reference of
+            ``kv_vs_memcpy`` (``None``: no ratio).
 
     Returns:
         One element of the ``points`` list of the JSON schema.
     """
     ideal = min(cores, config.streams)
     executors: dict[str, Any] = {}
-    for name in config.executors:
+    for name in config.runs:
         runs = [r[name] for r in repeats]
         phases: dict[str, Any] = {}
         for phase in PHASES:
             per_repeat = [
-                _phase_values(phase, runs_[name].phases[phase], runs_, ideal)
+                _phase_values(
+                    phase, runs_[name].phases[phase], runs_, ideal, memcpy_gb_s
+                )
                 for runs_ in repeats
             ]
             phases[phase] = _collect(per_repeat)
             phases[phase]["reports"] = [run.phases[phase].report for run in runs]
+            phases[phase]["failures"] = [run.phases[phase].failures for run in runs]
         executors[name] = {
             "workers": runs[0].workers,
             "pool_start_s": stats([run.pool_start_s for run in runs]),

@@ -22,7 +22,6 @@ from lmcache_mp.bench._machine import (
 from lmcache_mp.bench._plot import write_plot
 from lmcache_mp.bench._run import RunFigures, run_once
 from lmcache_mp.bench._table import format_header, format_point
-from lmcache_mp.engine import EmbeddedEngine
 from lmcache_mp.kv import connect
 
 __all__ = ["SCHEMA", "BenchResult", "run_bench", "to_json"]
@@ -68,6 +67,17 @@ class BenchResult:
             "points": list(self.points),
         }
 
+    @property
+    def failed_streams(self) -> int:
+        """Stream failures over every point, executor, phase and repeat."""
+        return sum(
+            len(failed)
+            for point in self.points
+            for ex in point["executors"].values()
+            for phase in ex["phases"].values()
+            for failed in phase["failures"]
+        )
+
     def format(self) -> str:
         """Return the text report: header, then a table and notes per point."""
         data = self.to_dict()
@@ -112,14 +122,13 @@ def _warm_up(config: BenchConfig) -> None:
     process does once (building the model's weights, first numpy calls);
     workers do the same at pool start through preloading.
     """
-    engine_config = config.engine_config()
     with connect(
         chunk_size=config.chunk_size,
-        layers=engine_config.layers,
-        width=engine_config.width,
-        dtype=engine_config.dtype,
+        layers=config.layers,
+        width=config.width,
+        dtype=config.dtype,
     ) as store:
-        engine = EmbeddedEngine(store, engine_config)
+        engine = config.make_engine(store)
         prompt = config.prompts()[0][: config.chunk_size + 1]
         for _ in engine(prompt, {"max_tokens": 2, "temperature": 0.0}):
             pass
@@ -147,7 +156,8 @@ def run_bench(
         The figures of every point.
 
     Raises:
-        LMCacheBatchedStreamError: If a stream failed in a phase.
+        LMCacheBatchedStreamError: If a phase failed as a whole (streams
+            that fail are in the figures: ``failures`` per phase).
     """
     started = time.perf_counter()
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -166,10 +176,17 @@ def run_bench(
                 repeats.append(
                     {
                         name: run_once(point_config, name, fn, progress=progress)
-                        for name in config.executors
+                        for name in config.runs
                     }
                 )
-            point = point_figures(point_config, edit, value, repeats, cores)
+            point = point_figures(
+                point_config,
+                edit,
+                value,
+                repeats,
+                cores,
+                result.machine["memcpy_gb_s"],
+            )
             result.points.append(point)
             if on_point is not None:
                 on_point(point)

@@ -10,12 +10,13 @@ from typing import Any
 
 from lmcache_mp import request
 from lmcache_mp.batch import LMCacheBatchedStream
-from lmcache_mp.bench._config import BenchConfig
+from lmcache_mp.bench._config import AUTO_UNHINTED, BenchConfig
 from lmcache_mp.bench._engines import executor_for, fresh_store_url
 from lmcache_mp.bench._monitor import PeakMemory, ProgressLine
+from lmcache_mp.bench._unhinted import Unhinted
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.edits import KIND_EDITS, Edit
-from lmcache_mp.engine import EmbeddedEngine
+from lmcache_mp.errors import LMCacheBatchedStreamError
 from lmcache_mp.executors import limit_blas_while, physical_cores
 from lmcache_mp.executors._auto import AutoExecutor
 from lmcache_mp.executors._process import ProcessExecutor
@@ -28,8 +29,15 @@ __all__ = ["PHASES", "PhaseFigures", "RunFigures", "run_once"]
 #: The phases, in the order they run.
 PHASES = ("prefill", "modify", "decode")
 #: Modules each worker imports while the pool starts, so that the first
-#: phase does not pay for them (they are what the phases unpickle).
-_PRELOAD = ("lmcache_mp.engine", "lmcache_mp.edits")
+#: phase does not pay for them (they are what the phases unpickle: the
+#: engines, the edits, and the synthetic engine's and auto-unhinted's
+#: wrappers, whose package import took 0.65 s on a first phase here).
+_PRELOAD = (
+    "lmcache_mp.engine",
+    "lmcache_mp.edits",
+    "lmcache_mp.bench._synthetic",
+    "lmcache_mp.bench._unhinted",
+)
 
 
 @dataclass
@@ -41,7 +49,9 @@ class PhaseFigures:
         per_stream_s: Sum of the streams' own durations.
         pickled_bytes: Bytes pickled to and from workers.
         peak_rss_bytes: Peak RSS of the parent plus its descendants.
-        report: The phase's report, ``Metrics.to_dict()``.
+        report: The phase's report, ``Metrics.to_dict()`` (of the streams
+            that succeeded, when some failed).
+        failures: Stream id to the error of each stream that failed.
     """
 
     wall_s: float
@@ -49,6 +59,7 @@ class PhaseFigures:
     pickled_bytes: int
     peak_rss_bytes: int
     report: dict[str, Any]
+    failures: dict[str, str] = field(default_factory=dict)
 
     def metric(self, section: str, key: str) -> Any:
         """A value of the report, ``None`` when it has no such entry."""
@@ -106,35 +117,42 @@ def run_once(
 
     Args:
         config: The benchmark (one sweep point of it).
-        executor: A name of :data:`BENCH_EXECUTORS`.
+        executor: A name of :data:`BENCH_EXECUTORS` (``auto-unhinted``
+            runs ``auto`` on an unhinted copy of ``edit``).
         edit: The modify fn.
         progress: Draw a progress line on stderr (``None``: when it is a
             TTY; ``False``: never).
 
     Returns:
-        The run's figures.
+        The run's figures; a phase in which streams failed has their errors
+        in its ``failures`` and the others' figures.
 
     Raises:
-        LMCacheBatchedStreamError: If a stream failed in a phase.
+        LMCacheBatchedStreamError: If a phase failed as a whole.
     """
-    engine_config = config.engine_config()
     store = connect(
         None if config.store is None else fresh_store_url(config.store),
         chunk_size=config.chunk_size,
-        layers=engine_config.layers,
-        width=engine_config.width,
-        dtype=engine_config.dtype,
+        layers=config.layers,
+        width=config.width,
+        dtype=config.dtype,
     )
     # An edit scored with queries (issue #21) gets 0.5.6 streams with a
     # QUERY context, whose queries the engine records during the prefill.
     query_ctx = (
         store.for_kind(LMCacheSDKCacheKind.QUERY) if edit.name in KIND_EDITS else None
     )
+    fn: Any = edit
+    if executor == AUTO_UNHINTED:
+        fn = Unhinted(edit)
     try:
-        engine = EmbeddedEngine(store, engine_config, query_ctx=query_ctx)
+        engine = config.make_engine(store, query_ctx)
         with (
             executor_for(
-                executor, config.workers, config.scheduler, config.ray_address
+                "auto" if executor == AUTO_UNHINTED else executor,
+                config.workers,
+                config.scheduler,
+                config.ray_address,
             ) as (arg, start_s),
             LMCacheBatchedStream(
                 arg,
@@ -155,7 +173,7 @@ def run_once(
             if executor == "serial":
                 cap = limit_blas_while(physical_cores())
             with cap:
-                return _run_phases(config, batch, edit, progress, start_s)
+                return _run_phases(config, batch, executor, fn, progress, start_s)
     finally:
         store.destroy()
 
@@ -163,11 +181,11 @@ def run_once(
 def _run_phases(
     config: BenchConfig,
     batch: LMCacheBatchedStream,
-    edit: Edit,
+    name: str,
+    edit: Any,
     progress: bool | None,
     start_s: float,
 ) -> RunFigures:
-    name = batch.executor.name
     greedy = {"temperature": 0.0}
     decode_params = {"max_tokens": config.max_tokens, "ignore_eos": True, **greedy}
     calls: dict[str, Callable[[], Metrics]] = {
@@ -188,7 +206,17 @@ def _run_phases(
         for phase in PHASES:
             with ProgressLine(f"[{name}] {phase}", enabled=progress):
                 begin = time.perf_counter()
-                metrics = calls[phase]()
+                failures: dict[str, str] = {}
+                try:
+                    metrics = calls[phase]()
+                except LMCacheBatchedStreamError as exc:
+                    # Streams that failed (issue #20: KV evicted from a full
+                    # store) are reported with the figures of the others;
+                    # the run goes on, so the table shows what happened.
+                    if exc.metrics is None:
+                        raise
+                    metrics = exc.metrics
+                    failures = {sid: str(err) for sid, err in exc.failures.items()}
                 wall = time.perf_counter() - begin
             report = metrics.to_dict()
             if phase == "modify":
@@ -196,7 +224,12 @@ def _run_phases(
             else:
                 per_stream = sum(p.duration for p in batch.perf_metrics.values())
             run.phases[phase] = PhaseFigures(
-                wall, per_stream, _transport_bytes(report), memory.reset(), report
+                wall,
+                per_stream,
+                _transport_bytes(report),
+                memory.reset(),
+                report,
+                failures,
             )
     run.outputs = [list(s.state.output_ids) for s in batch.streams.values()]
     return run

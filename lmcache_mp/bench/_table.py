@@ -7,7 +7,6 @@ from typing import Any
 
 from tabulate import tabulate
 
-from lmcache_mp.bench._config import DROPPING_EDITS
 from lmcache_mp.bench._figures import BASIS_SERIAL
 
 __all__ = ["format_header", "format_point"]
@@ -24,6 +23,8 @@ _HEADERS = [
     "p99 ms",
     "pickled",
     "KV via store",
+    "KV GB/s",
+    "x memcpy",
     "peak RSS",
 ]
 #: The p50/p99 columns' figures per phase (modify has a max, not a p99).
@@ -67,9 +68,13 @@ def _rows(point: dict[str, Any]) -> list[list[str]]:
     executors: dict[str, Any] = point["executors"]
     for name, ex in executors.items():
         # Executors with workers to start: the pool, a Dask cluster, Ray.
-        if name in ("process", "dask", "ray"):
+        # auto's pool is started before the phases too.
+        if name in ("process", "dask", "ray") or ex["pool_start_s"]["median"] > 0:
             start = _cell(ex["pool_start_s"], _fixed(3))
-            rows.append(["pool start", name, str(ex["workers"]), start] + ["-"] * 8)
+            rows.append(
+                ["pool start", name, str(ex["workers"]), start]
+                + ["-"] * (len(_HEADERS) - 4)
+            )
     for phase, (p50, p99) in _LATENCY.items():
         for name, ex in executors.items():
             fig = ex["phases"][phase]
@@ -86,6 +91,8 @@ def _rows(point: dict[str, Any]) -> list[list[str]]:
                     _cell(fig[p99], _fixed(2)),
                     _cell(fig["pickled_bytes"], _bytes),
                     _cell(fig["kv_bytes"], _bytes),
+                    _cell(fig["kv_gb_s"], _fixed(2)),
+                    _cell(fig["kv_vs_memcpy"], _speedup),
                     _cell(fig["peak_rss_bytes"], _bytes),
                 ]
             )
@@ -105,11 +112,16 @@ def format_header(result: dict[str, Any]) -> str:
     kv_per_stream = (
         2 * cfg["layers"] * cfg["kv_heads"] * cfg["head_dim"] * cfg["prompt_tokens"]
     ) * (4 if cfg["dtype"] == "float32" else 2)
+    shape = cfg.get("shape")
+    model = f"{shape} shape" if shape else "model"
+    engine = cfg.get("engine", "embedded")
     lines = [
         f"lmcache-mp bench: {cfg['streams']} streams x {cfg['prompt_tokens']} "
-        f"prompt tokens, decode {cfg['max_tokens']} tokens; model {cfg['layers']} "
-        f"layers x {cfg['kv_heads']} heads x {cfg['head_dim']} dims, "
-        f"{cfg['dtype']} KV ({_bytes(kv_per_stream)} per prompt); chunk "
+        f"prompt tokens, decode {cfg['max_tokens']} tokens; {model} "
+        f"{cfg['layers']} layers x {cfg['kv_heads']} KV heads x "
+        f"{cfg['head_dim']} dims, {cfg['dtype']} KV ({_bytes(kv_per_stream)} "
+        f"per prompt, {_bytes(kv_per_stream * cfg['streams'])} in all), "
+        f"{engine} engine; chunk "
         f"{cfg['chunk_size']}; start method {cfg['start_method']}; "
         f"repeat {cfg['repeat']}; seed {cfg['seed']}",
         f"machine: {machine['cores_physical']} physical / "
@@ -121,7 +133,14 @@ def format_header(result: dict[str, Any]) -> str:
     if "memcpy_gb_s" in machine:
         lines.append(
             f"references: memcpy {machine['memcpy_gb_s']:.1f} GB/s, pickle "
-            f"{machine['pickle_gb_s']:.1f} GB/s (64 MiB, best of 3)"
+            f"{machine['pickle_gb_s']:.1f} GB/s (256 MiB, one core, best of 5)"
+        )
+    if engine == "synthetic":
+        lines.append(
+            "engine: synthetic (a real shape's KV without a model: prefill "
+            "gathers each token's KV from a seeded table and stores it, decode "
+            "retrieves the edited KV and draws tokens from its bits); modify is "
+            "the real workload"
         )
     if machine["blas"] is None and "thread" in cfg["executors"]:
         lines.append(
@@ -151,9 +170,43 @@ def _first(point: dict[str, Any], phase: str, key: str) -> str:
     return " / ".join(f"{v:,.0f}" for v in sorted(values)) or "-"
 
 
+def _failures(point: dict[str, Any]) -> list[str]:
+    """One line per phase of an executor in which streams failed."""
+    lines = []
+    streams = point["config"]["streams"]
+    for name, ex in point["executors"].items():
+        for phase in _LATENCY:
+            for repeat, failed in enumerate(ex["phases"][phase]["failures"]):
+                if failed:
+                    first = next(iter(failed.values()))
+                    lines.append(
+                        f"FAILED: {phase} on {name} (repeat {repeat + 1}): "
+                        f"{len(failed)} of {streams} streams; first: {first}"
+                    )
+    return lines
+
+
+def _auto_notes(executors: dict[str, Any]) -> list[str]:
+    """auto's modify wall time against the better of threads and processes."""
+    walls = {
+        name: ex["phases"]["modify"]["wall_s"]["median"]
+        for name, ex in executors.items()
+    }
+    if "thread" not in walls or "process" not in walls:
+        return []
+    best = min(walls["thread"], walls["process"])
+    return [
+        f"modify, {name} vs the better of thread and process: "
+        f"{best / walls[name]:.2f}x (project goal: >= 0.95x, issue #20)."
+        for name in ("auto", "auto-unhinted")
+        if name in walls
+    ]
+
+
 def _notes(point: dict[str, Any]) -> list[str]:
     ideal = point["ideal_parallelism"]
     notes = [
+        *_failures(point),
         "x thread: the thread executor's wall time / this one's (above 1: faster).",
         f"efficiency: serial time / (wall x min(cores, streams) = {ideal}); "
         f"serial time = {point['serial_basis']}.",
@@ -168,7 +221,8 @@ def _notes(point: dict[str, Any]) -> list[str]:
         "per-stream edit time p50/max.",
         "pickled: bytes pickled to and from workers (pipes, or Dask's/Ray's "
         "data plane); KV via store: KV bytes the edit read + wrote through "
-        "the KV store (shared memory, or --store).",
+        "the KV store (shared memory, or --store); KV GB/s: those bytes / the "
+        "modify wall time; x memcpy: that rate / the one-core memcpy above.",
         "peak RSS: parent + all child processes, sampled every 20 ms "
         "(shared pages counted in each process).",
         f"tokens: prefill {_first(point, 'prefill', 'input_tokens')} prompt "
@@ -199,6 +253,16 @@ def _notes(point: dict[str, Any]) -> list[str]:
             f"{0.9 * ideal:.2f}x on a GIL-bound edit such as pyscore; >= "
             f"{1 / 1.2:.2f}x, i.e. within 1.2x, on overhead-dominated edits)."
         )
+    notes += _auto_notes(executors)
+    for name, ex in executors.items():
+        config = (
+            ex["phases"]["modify"]["reports"][0].get("metrics", {}).get("config", {})
+        )
+        if "executor_chosen" in config:
+            notes.append(
+                f"{name} modify ran on {config['executor_chosen']}: "
+                f"{config['executor_reason']}."
+            )
     if process is not None:
         during = sum(
             (process["phases"][p]["pool_start_s"] or {"median": 0.0})["median"]
@@ -225,7 +289,8 @@ def format_point(point: dict[str, Any]) -> str:
         _rows(point), headers=_HEADERS, tablefmt="simple", disable_numparse=True
     )
     notes = _notes(point)
-    if point["edit"] not in DROPPING_EDITS:
+    before = _first(point, "modify", "tokens_before")
+    if before == _first(point, "modify", "tokens_after"):
         notes.append(
             f"note: {point['edit']} keeps the token ids: its KV replaces the "
             "cached chunks of the same tokens (store(..., overwrite=True)), so "

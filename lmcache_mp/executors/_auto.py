@@ -6,25 +6,29 @@ Data flow of a phase::
       generate: the engines' GIL hints ------------------------> choice
       modify:   fn digest seen before? -------------------------> choice
                 else fn hint gil_bound? ------------------------> processes
-                else run jobs[0] here under a GIL watch:
+                else run jobs[0] here under a GIL watch (a running
+                     pool's other workers take jobs[1:cores] meanwhile):
                      seconds c, GIL-held share g --> cost model -> choice
       the other jobs --> ThreadExecutor | ProcessExecutor --> PhaseRun
                          (.executor and .reason say which and why)
 
 Threads cost nothing to start and move no state through pipes, but run
 Python bytecode one stream at a time; processes run it on every core but
-pay a round trip per stream and, once, the pool start. The first modify
-stream of an unknown fn is a real run (its outcome commits), measured on
-the caller's thread with one BLAS thread, as a worker would run it.
+pay a round trip per stream and, once per batch, the pool start. The
+first modify stream of an unknown fn is a real run (its outcome commits),
+measured on the caller's thread with one BLAS thread, as a worker would
+run it. The cost model (:func:`weigh`) counts the GIL-held share of a
+stream's wall time as serial on threads (issue #20).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -43,7 +47,7 @@ from lmcache_mp.executors._thread import ThreadExecutor, limit_blas_while
 from lmcache_mp.executors._worker import run_job
 from lmcache_mp.hints import gil_hint
 
-__all__ = ["AutoExecutor", "Choice", "GilWatch", "weigh"]
+__all__ = ["AutoExecutor", "Choice", "GilWatch", "queued_s", "weigh"]
 
 #: Parent-side cost of one stream on the pool (task pickling, the result
 #: queue, the outcome): 0.3-1 ms measured here on 2 cores (issue #12).
@@ -65,10 +69,31 @@ class Choice:
     Args:
         executor: ``"thread"`` or ``"process"``.
         reason: One sentence for the report.
+        threads_s: The cost model's estimate on threads (0: not weighed).
+        processes_s: Its estimate on processes (0: not weighed).
     """
 
     executor: str
     reason: str
+    threads_s: float = 0.0
+    processes_s: float = 0.0
+
+
+def queued_s() -> float:
+    """Seconds the calling thread has waited, runnable, for a core.
+
+    Read from ``/proc/thread-self/schedstat`` (its second field, ns; Linux
+    with schedstats); 0.0 where there is no such file, so that the callers'
+    differences are 0.
+
+    Returns:
+        The thread's run-queue wait since it started.
+    """
+    try:
+        with open("/proc/thread-self/schedstat", encoding="ascii") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 class GilWatch:
@@ -82,6 +107,13 @@ class GilWatch:
     interval, over the most it can be (a switch interval per nap), is the
     GIL-held share; bytecode run in bursts shorter than that counts as
     released.
+
+    On a machine busy with other processes the watched thread also waits
+    for a core (issue #20: load 5 on 2 cores); where Linux reports that
+    wait (``/proc/thread-self/schedstat``) it is ``queued_s``: CPU the
+    block wanted but did not get, not a wait that threads would overlap.
+    (Taking the watcher's own core waits out of its delays was tried: it
+    took out GIL handoffs too, and read a pure-Python loop as 20-90% held.)
     """
 
     _NAP_S = 1e-3
@@ -96,6 +128,10 @@ class GilWatch:
         self.wall_s = 0.0
         #: CPU seconds the watched thread used in it (set on exit).
         self.cpu_s = 0.0
+        #: Seconds it waited for a core, runnable (set on exit; 0 where the
+        #: OS does not say).
+        self.queued_s = 0.0
+        self._queued_begin = 0.0
 
     def _watch(self) -> None:
         while not self._stop.is_set():
@@ -121,6 +157,7 @@ class GilWatch:
     def __enter__(self) -> GilWatch:
         self._begin = time.perf_counter()
         self._cpu_begin = time.thread_time()
+        self._queued_begin = queued_s()
         self._thread.start()
         return self
 
@@ -132,6 +169,7 @@ class GilWatch:
     ) -> None:
         self.wall_s = time.perf_counter() - self._begin
         self.cpu_s = time.thread_time() - self._cpu_begin
+        self.queued_s = queued_s() - self._queued_begin
         self._stop.set()
         self._thread.join()
 
@@ -146,29 +184,49 @@ def weigh(
 ) -> Choice:
     """Pick the cheaper executor for ``rest`` streams like the measured one.
 
+    The GIL-held share is a share of the stream's *wall* time (what the
+    watch measures): that much of every stream runs one at a time on
+    threads, whatever the cores and whatever its CPU share (the holder may
+    be waiting for a core on a busy machine: the GIL stays held). Issue
+    #20 saw a fn holding the GIL 98% of the time estimated within 2% on
+    threads and processes, where the old model scaled the whole stream by
+    its CPU share and a GIL share floored by the cores. Of the rest, the
+    CPU work runs on the cores at ``THREAD_EFFICIENCY``, and the waits
+    (I/O, sleeps) overlap. Processes run whole streams on ``min(cores,
+    rest)`` workers, in rounds, plus a round trip per stream and the pool
+    start.
+
     Args:
-        seconds: One stream's measured seconds on one core.
-        held: Its GIL-held share, in ``[0, 1]``.
+        seconds: One stream's measured wall seconds on one core.
+        held: Its GIL-held share of ``seconds``, in ``[0, 1]``.
         rest: Streams still to run.
         cores: Cores available.
-        start_s: Seconds to start the pool first (0 when it runs).
-        cpu: Its CPU share (the rest it waited: I/O, sleeps), in ``[0, 1]``.
+        start_s: Seconds to start the pool first (0 when it runs or is
+            paid for by the batch's other phases).
+        cpu: Its CPU seconds over ``seconds`` (the rest it waited), in
+            ``[0, 1]``.
 
     Returns:
         The choice, with the estimates in its reason.
     """
     k = max(1, min(cores, rest))
-    # One thread per stream overlaps every wait; the CPU work runs on at
-    # most k * THREAD_EFFICIENCY cores, and its GIL-held share serially.
-    share = max(held, 1.0 / max(1.0, k * THREAD_EFFICIENCY))
-    threads = max(seconds, rest * seconds * cpu * share)
-    processes = rest * (seconds / k + ROUND_TRIP_S) + start_s
+    held_s = seconds * held
+    # CPU work done without the GIL (numpy, BLAS, the store's copies).
+    free_cpu_s = min(seconds - held_s, max(0.0, seconds * cpu - held_s))
+    threads = max(
+        seconds,
+        rest * held_s + rest * free_cpu_s / max(1.0, k * THREAD_EFFICIENCY),
+    )
+    processes = math.ceil(rest / k) * seconds + rest * ROUND_TRIP_S + start_s
     executor = "process" if processes < threads else "thread"
     return Choice(
         executor,
-        f"first stream took {seconds * 1e3:.1f} ms ({cpu:.0%} CPU) holding the "
+        f"a stream took {seconds * 1e3:.1f} ms ({cpu:.0%} CPU) holding the "
         f"GIL {held:.0%} of it: est. {threads * 1e3:.0f} ms on threads vs "
-        f"{processes * 1e3:.0f} ms on processes",
+        f"{processes * 1e3:.0f} ms on processes for the other {rest}"
+        + (f" (pool start {start_s:.2f} s)" if start_s else ""),
+        threads,
+        processes,
     )
 
 
@@ -209,6 +267,9 @@ class AutoExecutor(PhaseExecutor):
         self._mp_context = mp_context
         self._decisions: dict[str, Choice] = {}
         self._start_s: float | None = None
+        #: A generate phase ran on the pool: the engine holds the GIL, so
+        #: the batch's generate phases pay the pool start.
+        self._engine_on_pool = False
 
     @property
     def workers(self) -> int:
@@ -226,7 +287,15 @@ class AutoExecutor(PhaseExecutor):
         self._thread.close()
 
     def _pool_start_s(self) -> float:
-        if self._process.pids():
+        """The pool start a modify that picks processes is charged.
+
+        The pool is persistent: its start is paid once per batch, by the
+        first phase that uses it, and serves every later one (issue #20).
+        Nothing when it runs, or when this batch's engine holds the GIL (its
+        generate phases run on the pool anyway); else the measured start,
+        or a guess by start method before one was measured.
+        """
+        if self._process.pids() or self._engine_on_pool:
             return 0.0
         if self._start_s is not None:
             return self._start_s
@@ -255,6 +324,7 @@ class AutoExecutor(PhaseExecutor):
         """Run a phase on the chosen executor; see :meth:`PhaseExecutor.run`."""
         if spec.kind == "generate":
             choice = self.choose_generate(spec, len(jobs))
+            self._engine_on_pool |= choice.executor == "process"
             return self._run_on(choice, spec, jobs, timeout, max_in_flight)
         digest = _fn_digest(spec)
         if digest is None:
@@ -280,20 +350,50 @@ class AutoExecutor(PhaseExecutor):
         timeout: float | None,
         max_in_flight: int | None,
     ) -> PhaseRun:
-        """Run the first job here, measured; the rest where it says."""
+        """Run the first job here, measured; the rest where it says.
+
+        While the first job is measured, a running pool's other workers
+        are not left idle: they run one job each (``cores - 1`` jobs in
+        all), so that a fn that belongs on processes loses no round to the
+        measurement (issue #20: the lone probe made ``auto`` 1.25x slower
+        than the pool on a GIL-bound edit over 8 streams on 2 cores). The
+        pool is not started for them: a start would outlast the probe.
+        """
         cores = physical_cores()
-        with limit_blas_while(cores), GilWatch() as watch:
+        ahead = jobs[1:cores] if self._process.pids() and len(jobs) > 2 else []
+        beside_choice = Choice("process", "run beside the measured stream")
+
+        def run_beside() -> PhaseRun:
+            if not ahead:
+                return PhaseRun()
+            return self._run_on(beside_choice, spec, ahead, timeout, max_in_flight)
+
+        begin = time.perf_counter()
+        with (
+            _Background(run_beside) as beside,
+            limit_blas_while(cores),
+            GilWatch() as watch,
+        ):
             first = run_job(spec, jobs[0], remote=False)
         held = 0.0 if gil_hint(spec.fn) is False else watch.held
-        cpu = min(1.0, watch.cpu_s / watch.wall_s) if watch.wall_s > 0 else 1.0
+        # Time spent queued for a core is CPU the stream needed (#20).
+        busy = watch.cpu_s + watch.queued_s
+        cpu = min(1.0, busy / watch.wall_s) if watch.wall_s > 0 else 1.0
+        rest = jobs[1 + len(ahead) :]
+        # Weighed for every other stream, as a later phase of the same fn
+        # (which reuses the choice) runs them all on it.
         choice = weigh(
             watch.wall_s, held, len(jobs) - 1, cores, self._pool_start_s(), cpu
         )
         if first.error is None:
             self._decisions[digest] = choice
-        left = None if timeout is None else max(0.0, timeout - watch.wall_s)
-        run = self._run_on(choice, spec, jobs[1:], left, max_in_flight)
+        run = beside.result
+        if rest:
+            spent = time.perf_counter() - begin
+            left = None if timeout is None else max(0.0, timeout - spent)
+            run = _merged(run, self._run_on(choice, spec, rest, left, max_in_flight))
         run.outcomes = {first.stream_id: first, **run.outcomes}
+        run.executor, run.reason = choice.executor, choice.reason
         return run
 
     def _run_on(
@@ -320,3 +420,50 @@ class AutoExecutor(PhaseExecutor):
         run.executor, run.reason = choice.executor, choice.reason
         run.workers = self._process.workers if inner is self._process else len(jobs)
         return run
+
+
+class _Background:
+    """Run a phase on a helper thread for the length of a ``with`` block.
+
+    ``result`` is its :class:`PhaseRun` once the block has exited (the
+    exit waits for it); an exception it raised is raised there.
+    """
+
+    def __init__(self, fn: Callable[[], PhaseRun]) -> None:
+        self._fn = fn
+        self._thread = threading.Thread(target=self._main, daemon=True)
+        self._error: BaseException | None = None
+        self.result = PhaseRun()
+
+    def _main(self) -> None:
+        try:
+            self.result = self._fn()
+        except BaseException as exc:  # re-raised in the caller's thread
+            self._error = exc
+
+    def __enter__(self) -> _Background:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Bounded by the phase's timeout, which the helper's run honours.
+        self._thread.join()
+        if self._error is not None and exc is None:
+            raise self._error
+
+
+def _merged(first: PhaseRun, second: PhaseRun) -> PhaseRun:
+    """One phase's figures from two runs of disjoint jobs."""
+    return PhaseRun(
+        outcomes={**first.outcomes, **second.outcomes},
+        bytes_sent=first.bytes_sent + second.bytes_sent,
+        bytes_received=first.bytes_received + second.bytes_received,
+        pool_start_s=first.pool_start_s + second.pool_start_s,
+        pool_rebuilds=first.pool_rebuilds + second.pool_rebuilds,
+        workers=max(first.workers, second.workers),
+    )
