@@ -130,6 +130,9 @@ def run_once(
     Raises:
         LMCacheBatchedStreamError: If a phase failed as a whole.
     """
+    # An edit scored with queries (issue #21) gets 0.5.6 streams with a
+    # QUERY context, whose queries the engine records during the prefill.
+    scored = getattr(edit, "name", None) in KIND_EDITS
     store = connect(
         None if config.store is None else fresh_store_url(config.store),
         chunk_size=config.chunk_size,
@@ -137,11 +140,7 @@ def run_once(
         width=config.width,
         dtype=config.dtype,
     )
-    # An edit scored with queries (issue #21) gets 0.5.6 streams with a
-    # QUERY context, whose queries the engine records during the prefill.
-    query_ctx = (
-        store.for_kind(LMCacheSDKCacheKind.QUERY) if edit.name in KIND_EDITS else None
-    )
+    query_ctx = store.for_kind(LMCacheSDKCacheKind.QUERY) if scored else None
     fn: Any = edit
     if executor == AUTO_UNHINTED:
         fn = Unhinted(edit)

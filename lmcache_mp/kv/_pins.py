@@ -34,7 +34,8 @@ __all__ = [
     "same_process",
 ]
 
-# Hundredths of a second a process's start time may drift as read.
+# Hundredths of a second a wall-clock start time may drift as read (where
+# there is no /proc to give the clock ticks since boot).
 _START_SLACK = 200
 #: Seconds a Redis pin lives unless its batch renews it.
 DEFAULT_LEASE_S = 600.0
@@ -47,8 +48,8 @@ class PinOwner:
     Args:
         batch: The batch's unique id.
         pid: The pid of the process that holds the batch.
-        started: That process's start time, in hundredths of a second since
-            the epoch (a reused pid has another).
+        started: That process's start time (:func:`process_started`; a
+            reused pid has another).
         lease_s: Seconds a pin lives on a store that expires them (Redis)
             unless renewed.
     """
@@ -77,8 +78,9 @@ class PinOwner:
 def same_process(pid: int, started: int) -> bool:
     """Whether process ``pid`` runs and started at ``started``.
 
-    A process's start time is computed from the boot time, which moves
-    with the wall clock when it is stepped; a reused pid starts later.
+    A reused pid starts later. On Linux the start time is the kernel's
+    clock ticks since boot, which no clock step moves; elsewhere it is wall
+    clock time, compared with some slack.
     """
     now = process_started(pid)
     return now is not None and abs(now - started) <= _START_SLACK
@@ -86,7 +88,25 @@ def same_process(pid: int, started: int) -> bool:
 
 def process_started(pid: int) -> int | None:
     """The start time of process ``pid`` as :attr:`PinOwner.started` holds
-    it, or ``None`` when there is no such process."""
+    it, or ``None`` when there is no such process.
+
+    On Linux, ``starttime`` of ``/proc/PID/stat``: clock ticks from boot to
+    the process's start. psutil's ``create_time`` adds the boot time, which
+    moves with every step of the wall clock: a pin read after a step of
+    more than the slack looked orphaned and was dropped (issue #20's
+    guarantee, seen flaky on this project's machines).
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            line = stat.read()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        line = b""
+    if line:
+        # The command name may hold spaces and parentheses: fields start
+        # after its last ')'; starttime is field 22, the 20th after it.
+        return int(line[line.rindex(b")") + 2 :].split()[19])
     try:
         return round(psutil.Process(pid).create_time() * 100)
     except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
