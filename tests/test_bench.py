@@ -129,7 +129,10 @@ def test_each_flag_sets_its_field(flags: list[str], field: str, value: Any) -> N
             "unknown executor 'gpu' (choose from auto, process, serial",
         ),
         (["--executors", "thread,thread"], "named twice"),
-        (["--edit", "prune"], "unknown edit 'prune' (choose from identity, pyscore"),
+        (
+            ["--edit", "prune"],
+            "unknown edit 'prune' (choose from h2o, identity, keydiff",
+        ),
         (["--streams", "0"], "--streams: expected an integer >= 1, got 0"),
         (["--prompt-tokens", "many"], "expected an integer >= 1, got 'many'"),
         (["--keep", "1.5"], "--keep: expected a fraction in (0, 1], got 1.5"),
@@ -531,3 +534,16 @@ def test_compare_table_shows_runners_and_references() -> None:
     text = format_compare(config, run_compare(config, (), workers=1), refs)
     assert text.count("lmcache_mp serial") == 1
     assert f"memcpy {refs['memcpy_gb_s']:.1f} GB/s" in text
+
+
+@pytest.mark.parametrize("edit", ["h2o", "streamingllm"])
+def test_the_compression_methods_run_in_the_bench(edit: str) -> None:
+    """A KIND edit (h2o: its streams get a QUERY context) and streamingllm
+    (rerotating with the toy model's attention) run on threads and
+    processes and keep the asked fraction of the tokens (issue #21)."""
+    config = BenchConfig(executors=("thread", "process"), edits=(edit,), **TINY)
+    point = run_bench(config, progress=False).to_dict()["points"][0]
+    prompt_tokens = TINY["streams"] * TINY["prompt_tokens"]
+    for ex in point["executors"].values():
+        modify = ex["phases"]["modify"]
+        assert modify["tokens_after"]["median"] == prompt_tokens // 2

@@ -39,6 +39,9 @@ SMALL: dict[str, dict[str, Any]] = {
     "pyscore": {"keep": 0.5, "keep_first": 4, "keep_last": 4, "work": 2, "span": 8},
     "identity": {},
     "stride": {"every": 3},
+    "knorm": {"keep": 0.5, "keep_first": 2, "keep_last": 2},
+    "keydiff": {"keep": 0.5, "keep_first": 2, "keep_last": 2},
+    "streamingllm": {"keep": 0.5, "sinks": 2, "rerotate": False},
 }
 NAMES = sorted(EDITS)
 # Edits that keep a subset of the tokens and leave the kept rows untouched.
@@ -75,7 +78,7 @@ def run_in_child(edit: Edit, kv: np.ndarray, tokens: list[int]) -> list[int]:
 
 
 def test_registry_has_the_documented_names() -> None:
-    """EDITS maps exactly the seven documented names to their edit classes."""
+    """EDITS maps exactly the ten documented names to their edit classes."""
     assert set(EDITS) == {
         "random",
         "window",
@@ -84,6 +87,9 @@ def test_registry_has_the_documented_names() -> None:
         "pyscore",
         "identity",
         "stride",
+        "knorm",
+        "keydiff",
+        "streamingllm",
     }
     assert all(cls.name == name for name, cls in EDITS.items())
 
@@ -221,7 +227,7 @@ def test_make_edit_unknown_name_lists_known_names() -> None:
 
 def test_make_edit_unknown_parameter_is_named() -> None:
     """make_edit with a foreign parameter raises TypeError naming it."""
-    with pytest.raises(TypeError, match=r"'windw'.*window, sinks"):
+    with pytest.raises(TypeError, match=r"'windw'.*sinks, window"):
         make_edit("window", windw=8)
 
 

@@ -40,7 +40,7 @@ def rotated_kv(
     rng = np.random.default_rng(seed)
     width = config.kv_heads * config.head_dim
     raw = rng.standard_normal((2, LAYERS, len(positions), width))
-    kv = raw.copy()
+    kv: np.ndarray = raw.copy()
     for layer in range(LAYERS):
         kv[0, layer] = direct_rope(raw[0, layer], positions, config)
     return kv
@@ -164,7 +164,7 @@ def test_bad_config_names_the_field(fields: dict[str, Any], named: str) -> None:
 
 def test_config_is_hashable_with_a_list_of_frequencies() -> None:
     """inv_freq given as a list is stored as a tuple: the config hashes."""
-    config = AttentionConfig(2, 1, 4, inv_freq=[1.0, 0.5])
+    config = AttentionConfig(2, 1, 4, inv_freq=[1.0, 0.5])  # type: ignore[arg-type]
     assert hash(config) == hash(AttentionConfig(2, 1, 4, inv_freq=(1.0, 0.5)))
 
 
@@ -184,3 +184,22 @@ def test_bad_input_is_named(
     kv = np.zeros(kv_shape, dtype=np.float32)
     with pytest.raises(ValueError, match=named):
         rerotate_keys(kv, np.arange(positions), np.arange(4), CONFIG)
+
+
+def test_the_toy_engines_attention_config_moves_its_keys() -> None:
+    """EngineConfig.attention describes the toy model's RoPE: its layer-0 key
+    of a token at position p, moved to p + 3, is its key computed at p + 3."""
+    from lmcache_mp.engine import EngineConfig
+    from lmcache_mp.engine._model import KVSequence
+
+    config = EngineConfig()
+    prompt = [5, 17, 99, 3, 42, 7]
+    plain, shifted = KVSequence(config, 16), KVSequence(config, 16)
+    plain.extend(prompt)
+    shifted.extend([11, 12, 13, *prompt])
+    layer0 = plain.prefix(len(prompt))[:, :1]
+    moved = rerotate_keys(
+        layer0, np.arange(len(prompt)), np.arange(len(prompt)) + 3, config.attention
+    )
+    expected = shifted.prefix(len(prompt) + 3)[:, :1, 3:]
+    np.testing.assert_allclose(moved[0], expected[0], rtol=0, atol=1e-4)

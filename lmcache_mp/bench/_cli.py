@@ -16,6 +16,7 @@ from lmcache_mp.bench._compare import (
     run_compare,
 )
 from lmcache_mp.bench._config import (
+    BENCH_EDITS,
     BENCH_EXECUTORS,
     DEFAULT_KEEP,
     DROPPING_EDITS,
@@ -26,7 +27,6 @@ from lmcache_mp.bench._machine import machine_info, references
 from lmcache_mp.bench._peers import PEERS
 from lmcache_mp.bench._plot import require_matplotlib
 from lmcache_mp.bench._result import run_bench
-from lmcache_mp.edits import EDITS
 from lmcache_mp.engine._config import KV_DTYPES
 from lmcache_mp.errors import KVConfigError, LMCacheError
 from lmcache_mp.executors import physical_cores
@@ -122,10 +122,10 @@ def add_bench_parser(
     )
     run.add_argument(
         "--edit",
-        type=_names("edit", sorted(EDITS)),
+        type=_names("edit", BENCH_EDITS),
         default=d.edits,
         metavar="NAMES",
-        help=f"ready-made edit(s), comma-separated, from {', '.join(sorted(EDITS))}"
+        help=f"ready-made edit(s), comma-separated, from {', '.join(BENCH_EDITS)}"
         "; pyscore is the GIL-bound pure-Python scorer, redundancy the O(T^2) "
         f"R-KV-style score (default: {','.join(d.edits)})",
     )

@@ -10,12 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from lmcache_mp.edits import EDITS, Edit, make_edit
+from lmcache_mp.edits import EDITS, KIND_EDITS, Edit, make_edit
 from lmcache_mp.engine import EngineConfig
 from lmcache_mp.engine._config import KV_DTYPES
 from lmcache_mp.executors import EXECUTOR_NAMES
 
 __all__ = [
+    "BENCH_EDITS",
     "BENCH_EXECUTORS",
     "DEFAULT_KEEP",
     "DROPPING_EDITS",
@@ -27,8 +28,14 @@ __all__ = [
 
 #: Executors the bench can run: the library's names and the engines.
 BENCH_EXECUTORS = (*EXECUTOR_NAMES, "dask", "ray")
+#: Edits the bench runs: :data:`~lmcache_mp.edits.EDITS`, and the
+#: :data:`~lmcache_mp.edits.KIND_EDITS`, whose streams get a QUERY context.
+BENCH_EDITS = tuple(sorted({*EDITS, *KIND_EDITS}))
+#: The methods of issue #21, sized by ``keep`` and given the toy model's
+#: attention (heads; streamingllm rerotates).
+_METHODS = ("h2o", "keydiff", "knorm", "rkv", "snapkv", "streamingllm", "tova")
 #: Edits that drop tokens, to which ``keep`` applies.
-DROPPING_EDITS = ("pyscore", "random", "redundancy", "window")
+DROPPING_EDITS = tuple(sorted({"pyscore", "random", "redundancy", "window", *_METHODS}))
 #: Parameters ``sweep`` can vary, as spelled on the command line.
 SWEEPS = ("workers", "streams", "prompt-tokens")
 #: ``keep`` when none is given.
@@ -121,7 +128,7 @@ class BenchConfig:
         object.__setattr__(self, "executors", tuple(self.executors))
         object.__setattr__(self, "edits", tuple(self.edits))
         self._check_names("executors", self.executors, BENCH_EXECUTORS)
-        self._check_names("edits", self.edits, tuple(sorted(EDITS)))
+        self._check_names("edits", self.edits, BENCH_EDITS)
         for name in (
             "streams",
             "prompt_tokens",
@@ -205,7 +212,7 @@ class BenchConfig:
         sweeps, still lose tokens.
 
         Args:
-            name: A key of :data:`lmcache_mp.edits.EDITS`.
+            name: A name of :data:`BENCH_EDITS`.
 
         Returns:
             The edit.
@@ -222,6 +229,8 @@ class BenchConfig:
         if name == "window":
             window = max(1, round(keep * self.prompt_tokens) - _WINDOW_SINKS)
             return make_edit(name, window=window, sinks=_WINDOW_SINKS)
+        if name in _METHODS:
+            return make_edit(name, keep=keep, attention=self.engine_config().attention)
         return make_edit(name)
 
     def prompts(self) -> list[list[int]]:

@@ -8,11 +8,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmcache_mp import request
 from lmcache_mp.batch import LMCacheBatchedStream
 from lmcache_mp.bench._config import BenchConfig
 from lmcache_mp.bench._engines import executor_for, fresh_store_url
 from lmcache_mp.bench._monitor import PeakMemory, ProgressLine
-from lmcache_mp.edits import Edit
+from lmcache_mp.cache_kind import LMCacheSDKCacheKind
+from lmcache_mp.edits import KIND_EDITS, Edit
 from lmcache_mp.engine import EmbeddedEngine
 from lmcache_mp.executors import limit_blas_while, physical_cores
 from lmcache_mp.executors._auto import AutoExecutor
@@ -123,8 +125,13 @@ def run_once(
         width=engine_config.width,
         dtype=engine_config.dtype,
     )
+    # An edit scored with queries (issue #21) gets 0.5.6 streams with a
+    # QUERY context, whose queries the engine records during the prefill.
+    query_ctx = (
+        store.for_kind(LMCacheSDKCacheKind.QUERY) if edit.name in KIND_EDITS else None
+    )
     try:
-        engine = EmbeddedEngine(store, engine_config)
+        engine = EmbeddedEngine(store, engine_config, query_ctx=query_ctx)
         with (
             executor_for(
                 executor, config.workers, config.scheduler, config.ray_address
@@ -137,7 +144,11 @@ def run_once(
             ) as batch,
         ):
             for prompt in config.prompts():
-                batch.add(create_request(store, engine, prompt))
+                batch.add(
+                    create_request(store, engine, prompt)
+                    if query_ctx is None
+                    else request.create_request([store, query_ctx], engine, prompt)
+                )
             # The serial run is the one-core baseline: like every stream of
             # the other executors, it gets one BLAS thread (cores // cores).
             cap: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
@@ -161,7 +172,9 @@ def _run_phases(
     decode_params = {"max_tokens": config.max_tokens, "ignore_eos": True, **greedy}
     calls: dict[str, Callable[[], Metrics]] = {
         "prefill": lambda: batch.prefill(greedy),
-        "modify": lambda: batch.modify(edit),
+        # numpy for every stream: the ready-made edits compute in numpy, and
+        # a 0.5.6 stream's default (torch) would time torch's import.
+        "modify": lambda: batch.modify(edit, array="numpy"),
         "decode": lambda: batch.decode(decode_params),
     }
     with PeakMemory() as memory:

@@ -19,6 +19,7 @@ __all__ = [
     "EditResult",
     "check_fraction",
     "check_int",
+    "check_kernel",
     "check_layers",
     "resolve_layers",
 ]
@@ -117,6 +118,24 @@ def check_int(owner: str, name: str, value: Any, minimum: int) -> None:
     if value < minimum:
         raise ValueError(
             f"{owner}: parameter {name!r} must be an int >= {minimum}, got {value!r}"
+        )
+
+
+def check_kernel(owner: str, value: Any) -> None:
+    """Raise ValueError unless ``value`` is an odd int >= 1 (a pooling width).
+
+    Args:
+        owner: The edit class name, for the message.
+        value: The ``kernel`` parameter.
+
+    Raises:
+        ValueError: If the check fails; the message names ``kernel``.
+    """
+    check_int(owner, "kernel", value, 1)
+    if value % 2 == 0:
+        raise ValueError(
+            f"{owner}: parameter 'kernel' must be odd (a centred pool of the "
+            f"same length), got {value!r}"
         )
 
 

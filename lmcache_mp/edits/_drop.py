@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lmcache_mp.edits._base import check_int
-from lmcache_mp.edits._select import ScoredDrop
+from lmcache_mp.edits._scored import ScoredDrop
 
 __all__ = ["RandomDrop"]
 
@@ -21,16 +21,20 @@ class RandomDrop(ScoredDrop):
 
     Keeps the first ``keep_first`` and last ``keep_last`` tokens, and a
     uniformly random subset of the tokens in between, so that about
-    ``keep`` of all tokens remain (exactly ``round(keep * T)`` unless the
-    protected tokens alone are more); when ``T <= keep_first + keep_last``
-    every token is kept. The kept tokens stay in their original order.
+    ``keep`` of all tokens remain (exactly ``round(keep * T)``, or
+    ``budget``, unless the protected tokens alone are more); when
+    ``T <= keep_first + keep_last`` every token is kept. The kept tokens
+    stay in their original order.
 
     The random choice depends only on ``seed`` and the token ids: the same
     stream gets the same result on every call, in any thread or process,
     whatever was edited before; a different prompt gets a different choice.
 
     Args:
-        keep: Fraction of all tokens to keep, in ``(0, 1]``.
+        keep: Fraction of all tokens to keep, in ``(0, 1]`` (default 0.5).
+        budget: Tokens to keep, instead of ``keep``.
+        rerotate: Move the kept keys' RoPE to positions ``0 .. kept - 1``.
+        attention: The model's attention shape and RoPE (for ``rerotate``).
         keep_first: Leading tokens always kept.
         keep_last: Trailing tokens always kept.
         seed: Non-negative seed of the random choice.

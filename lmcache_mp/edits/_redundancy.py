@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lmcache_mp.edits._base import check_int, check_layers, resolve_layers
-from lmcache_mp.edits._select import ScoredDrop
+from lmcache_mp.edits._scored import ScoredDrop
 from lmcache_mp.hints import releases_gil
 
 __all__ = ["RedundancyDrop"]
@@ -41,14 +41,17 @@ class RedundancyDrop(ScoredDrop):
 
     The redundancy is averaged over layers and heads. The first
     ``keep_first`` and last ``keep_last`` tokens are always kept, and the
-    least redundant tokens in between, so that ``round(keep * T)`` tokens
-    remain (more when the protected ones alone are more; all when
+    least redundant tokens in between, so that ``round(keep * T)`` (or
+    ``budget``) tokens remain (more when the protected ones alone are more; all when
     ``T <= keep_first + keep_last``); of equally redundant tokens the later
     one is kept. A zero key is similar to nothing. Only K is scored; V rows
     follow their tokens.
 
     Args:
-        keep: Fraction of all tokens to keep, in ``(0, 1]``.
+        keep: Fraction of all tokens to keep, in ``(0, 1]`` (default 0.5).
+        budget: Tokens to keep, instead of ``keep``.
+        rerotate: Move the kept keys' RoPE to positions ``0 .. kept - 1``.
+        attention: The model's attention shape and RoPE (for ``rerotate``).
         keep_first: Leading tokens always kept.
         keep_last: Trailing tokens always kept.
         layers: Layer indices to score (negative from the last), or

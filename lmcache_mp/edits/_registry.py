@@ -9,12 +9,18 @@ from typing import Any
 
 from lmcache_mp.edits._base import Edit
 from lmcache_mp.edits._drop import RandomDrop
+from lmcache_mp.edits._h2o import H2O
 from lmcache_mp.edits._identity import Identity
+from lmcache_mp.edits._keydiff import KeyDiff
+from lmcache_mp.edits._knorm import KeyNorm
 from lmcache_mp.edits._quantize import Quantize
 from lmcache_mp.edits._redundancy import RedundancyDrop
+from lmcache_mp.edits._rkv import RKV
 from lmcache_mp.edits._scorer import PyTokenScorer
 from lmcache_mp.edits._snapkv import SnapKV
+from lmcache_mp.edits._streamingllm import StreamingLLM
 from lmcache_mp.edits._stride import Stride
+from lmcache_mp.edits._tova import TOVA
 from lmcache_mp.edits._window import RecentWindow
 
 __all__ = ["EDITS", "KIND_EDITS", "make_edit"]
@@ -32,6 +38,9 @@ EDITS: Mapping[str, type[Edit]] = MappingProxyType(
             PyTokenScorer,
             Identity,
             Stride,
+            KeyNorm,
+            KeyDiff,
+            StreamingLLM,
         )
     }
 )
@@ -40,7 +49,9 @@ EDITS: Mapping[str, type[Edit]] = MappingProxyType(
 #: ``fn({KV: kv, QUERY: queries}, tokens)`` by a stream with a context of
 #: each kind. Apart from :data:`EDITS`, whose edits take a bare KV (as the
 #: benchmark's KV-only streams give them).
-KIND_EDITS: Mapping[str, type[Edit]] = MappingProxyType({SnapKV.name: SnapKV})
+KIND_EDITS: Mapping[str, type[Edit]] = MappingProxyType(
+    {cls.name: cls for cls in (SnapKV, TOVA, H2O, RKV)}
+)
 
 
 def make_edit(name: str, **params: Any) -> Edit:
@@ -49,8 +60,9 @@ def make_edit(name: str, **params: Any) -> Edit:
     Args:
         name: A key of :data:`EDITS`: ``"random"``, ``"window"``,
             ``"redundancy"``, ``"quantize"``, ``"pyscore"``,
-            ``"identity"`` or ``"stride"``; or of :data:`KIND_EDITS`:
-            ``"snapkv"``.
+            ``"identity"``, ``"stride"``, ``"knorm"``, ``"keydiff"`` or
+            ``"streamingllm"``; or of :data:`KIND_EDITS`: ``"snapkv"``,
+            ``"tova"``, ``"h2o"`` or ``"rkv"``.
         **params: The edit's parameters (its class's fields).
 
     Returns:

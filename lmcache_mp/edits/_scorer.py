@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lmcache_mp.edits._base import check_int, check_layers, resolve_layers
-from lmcache_mp.edits._select import ScoredDrop
+from lmcache_mp.edits._scored import ScoredDrop
 from lmcache_mp.hints import gil_bound
 
 __all__ = ["PyTokenScorer"]
@@ -35,11 +35,14 @@ class PyTokenScorer(ScoredDrop):
 
     The first ``keep_first`` and last ``keep_last`` tokens are always kept,
     and the highest-scored tokens in between, so that ``round(keep * T)``
-    tokens remain (more when the protected ones alone are more; all when
+    (or ``budget``) tokens remain (more when the protected ones alone are more; all when
     ``T <= keep_first + keep_last``).
 
     Args:
-        keep: Fraction of all tokens to keep, in ``(0, 1]``.
+        keep: Fraction of all tokens to keep, in ``(0, 1]`` (default 0.5).
+        budget: Tokens to keep, instead of ``keep``.
+        rerotate: Move the kept keys' RoPE to positions ``0 .. kept - 1``.
+        attention: The model's attention shape and RoPE (for ``rerotate``).
         keep_first: Leading tokens always kept.
         keep_last: Trailing tokens always kept.
         work: Passes of the scoring loop, at least 1.

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from lmcache_mp.edits import AttentionConfig
 from lmcache_mp.engine._fixed import (
     MAX_HEAD_DIM,
     MAX_MATMUL_DEPTH,
@@ -16,6 +17,10 @@ from lmcache_mp.engine._fixed import (
 from lmcache_mp.errors import KVConfigError
 
 __all__ = ["KV_DTYPES", "EngineConfig"]
+
+#: The RoPE base the toy model rotates keys and queries with (``_model``'s
+#: ``_ROPE_BASE``; tests/test_rope.py checks the stored keys against it).
+_ROPE_THETA = 10000.0
 
 #: KV dtypes the engine computes and stores its KV in.
 KV_DTYPES = ("float16", "float32")
@@ -129,6 +134,21 @@ class EngineConfig:
                 f"EngineConfig.max_position is {self.max_position}, at most "
                 f"{MAX_POSITIONS} keeps attention sums exact"
             )
+
+    @property
+    def attention(self) -> AttentionConfig:
+        """The model's attention shape and RoPE, for the edits' ``attention=``.
+
+        One query head per KV head (no grouped-query sharing), keys and
+        queries rotated in the rotate-half convention with base 10000, as
+        :func:`lmcache_mp.edits.rerotate_keys` expects.
+        """
+        return AttentionConfig(
+            q_heads=self.kv_heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            rope_theta=_ROPE_THETA,
+        )
 
     @property
     def width(self) -> int:
