@@ -262,4 +262,5 @@ class EmbeddedEngine(StatsCounter):
         logits = seq.extend_logits(whole[reused:-1], last=len(continuation))
         shifted = logits - logits.max(axis=1, keepdims=True)
         logprobs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-        return logprobs.astype(np.float32)
+        result: npt.NDArray[np.float32] = logprobs.astype(np.float32)
+        return result

@@ -217,7 +217,8 @@ class KVSequence:
         Returns:
             The ``[V]`` logits of the last appended position.
         """
-        return self.extend_logits(tokens, queries, last=1)[0]
+        logits: F64 = self.extend_logits(tokens, queries, last=1)[0]
+        return logits
 
     def extend_logits(
         self,
