@@ -247,7 +247,8 @@ def test_smollm2_finds_the_passkey_uncompressed_and_edits_move_its_output() -> N
             keeps=(0.5,),
             prompts=2,
             continuation=8,
-            haystack_lines=8,
+            haystack_lines=6,
+            answer_tokens=6,
             executor="thread",
         )
     )

@@ -32,6 +32,7 @@ from lmcache_mp.bench._eval_prompts import (
     passkey_prompts,
 )
 from lmcache_mp.bench._eval_table import EvalResult, EvalRow
+from lmcache_mp.bench._monitor import ProgressLine
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.edits import KIND_EDITS, Edit, make_edit
 from lmcache_mp.kv import KVStore, connect
@@ -271,8 +272,12 @@ def evaluate(config: EvalConfig | None = None, **overrides: Any) -> EvalResult:
             LMCacheBatchedStream("thread") as threads,
         ):
             run = _Eval(config, model, contexts, batch, threads)
-            rows = [run.reference()]
-            rows += [run.variant(e, k) for e in config.edits for k in config.keeps]
+            with ProgressLine("[eval] uncompressed"):
+                rows = [run.reference()]
+            for name in config.edits:
+                for keep in config.keeps:
+                    with ProgressLine(f"[eval] {name} keep {keep:g}"):
+                        rows.append(run.variant(name, keep))
             tokens = {
                 "documents": float(np.mean([len(p) for p in run.documents])),
                 "passkey": float(np.mean([len(p) for p in run.haystacks])),
