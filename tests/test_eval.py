@@ -182,6 +182,17 @@ def test_the_cli_parses_edits_keeps_and_counts() -> None:
     assert config.keeps == (0.25, 0.5)
     assert (config.continuation, config.prompts) == (8, 3)
     assert (config.executor, config.engine) == ("thread", "toy")
+    assert config.rerotate is None
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--rerotate", True), ("--no-rerotate", False)]
+)
+def test_rerotate_applies_to_every_edit(flag: str, value: bool) -> None:
+    """--rerotate / --no-rerotate set EvalConfig.rerotate, which every edit is built with."""
+    parser, _ = build_parser()
+    args = parser.parse_args(["eval", flag])
+    assert eval_config_from_args(args.eval_parser, args).rerotate is value
 
 
 @pytest.mark.parametrize(

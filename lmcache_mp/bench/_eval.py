@@ -163,7 +163,9 @@ class _Eval:
 
     def variant(self, name: str, keep: float) -> EvalRow:
         """Run one edit at one keep; its row."""
-        params = EDIT_PARAMS.get(name, {})
+        params = dict(EDIT_PARAMS.get(name, {}))
+        if self.config.rerotate is not None:
+            params["rerotate"] = self.config.rerotate
         edit = make_edit(name, keep=keep, attention=self.model.attention, **params)
         kinds = len(self.contexts) if name in KIND_EDITS else 1
         salt = f"{name}@{keep}"

@@ -110,6 +110,13 @@ def add_eval_parser(
         help=f"filler lines per passkey haystack (default: {d.haystack_lines})",
     )
     p.add_argument(
+        "--rerotate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="move every edit's kept keys to positions 0..kept-1, or none's "
+        "(default: each edit's own default; streamingllm's is on)",
+    )
+    p.add_argument(
         "--seed", type=_int_at_least(0), default=d.seed, help="seed of the passkeys"
     )
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
@@ -150,6 +157,7 @@ def eval_config_from_args(
             chunk_size=args.chunk_size,
             haystack_lines=args.haystack_lines,
             seed=args.seed,
+            rerotate=args.rerotate,
         )
     except ValueError as exc:
         parser.error(f"invalid configuration: {exc}")

@@ -56,6 +56,11 @@ class EvalConfig:
             450 SmolLM2 tokens).
         answer_tokens: Tokens greedily decoded as a passkey answer.
         seed: Seed of the passkeys.
+        rerotate: Build every edit with this ``rerotate`` (``None``: each
+            edit's documented default; only ``streamingllm`` rerotates by
+            default, and an edit that does not leaves its kept keys at
+            their old positions while decoding continues at the kept count,
+            as vLLM + LMCache would).
 
     Raises:
         ValueError: If an edit is unknown or named twice, a keep is not in
@@ -73,6 +78,7 @@ class EvalConfig:
     haystack_lines: int = 16
     answer_tokens: int = 8
     seed: int = 0
+    rerotate: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "edits", tuple(self.edits))

@@ -114,6 +114,8 @@ class EvalResult:
             f"passkey haystacks (~{tokens['passkey']:.0f} tokens); "
             f"{self.duration_s:.0f} s"
         )
+        if cfg.rerotate is not None:
+            title += f"; rerotate={cfg.rerotate} for every edit"
         note = (
             "top-1 agree / KL: teacher-forced over the uncompressed run's "
             "continuation (KL(p_ref || p_edit), llama.cpp's --kl-divergence); "
