@@ -13,6 +13,7 @@ continuation after the edited KV, its haystacks decoded greedily.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import secrets
 import time
@@ -178,8 +179,12 @@ class _Eval:
         )
         passkey = self._passkey(keys)
         hits, kls = [], []
+        # The documents' streams come first.
         for context, ref, ref_lp in zip(
-            contexts, self.references, self.reference_logprobs, strict=False
+            contexts[: len(docs)],
+            self.references,
+            self.reference_logprobs,
+            strict=True,
         ):
             logprobs = self.model.engine.score(context, ref, salt)
             hits.append(top1_agreement(logprobs, ref))
@@ -250,10 +255,11 @@ def evaluate(config: EvalConfig | None = None, **overrides: Any) -> EvalResult:
 
     Raises:
         ValueError: For an invalid config (see :class:`EvalConfig`).
+        TypeError: If ``overrides`` names no field of the config.
         ModelLoadError: If the model cannot be loaded.
         LMCacheBatchedStreamError: If a phase failed on some stream.
     """
-    config = EvalConfig(**{**(config or EvalConfig()).__dict__, **overrides})
+    config = dataclasses.replace(config or EvalConfig(), **overrides)
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     begin = time.perf_counter()
     store = connect(
