@@ -1,6 +1,8 @@
-"""The ``lmcache-mp`` command: ``bench`` and ``serve``.
+"""The ``lmcache-mp`` command: ``bench``, ``eval`` and ``serve``.
 
 ``lmcache-mp bench`` compares the executors (see :mod:`lmcache_mp.bench`);
+``lmcache-mp eval`` measures what the edits keep of a model's output
+(:func:`lmcache_mp.bench.evaluate`);
 ``lmcache-mp serve`` runs the embedded engine behind an OpenAI-compatible
 HTTP server (see :mod:`lmcache_mp.engine.http.server`). Also runnable as
 ``python -m lmcache_mp``.
@@ -14,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from lmcache_mp.bench._cli import add_bench_parser, run_bench_command
+from lmcache_mp.bench._eval_cli import add_eval_parser, run_eval_command
 
 __all__ = ["build_parser", "main"]
 
@@ -31,6 +34,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     bench = add_bench_parser(subparsers)
+    # The eval's parser rides in its namespace: build_parser's return stays
+    # the bench's (issue #21).
+    evaluate = add_eval_parser(subparsers)
+    evaluate.set_defaults(eval_parser=evaluate)
     # Listed for --help only: main() hands "serve ..." to the server's own
     # parser before this one sees its options.
     subparsers.add_parser(
@@ -61,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser, bench = build_parser()
     args = parser.parse_args(args_list)
     try:
+        if args.command == "eval":
+            return run_eval_command(args.eval_parser, args)
         return run_bench_command(bench, args)
     except BrokenPipeError:
         # Output piped into a reader that left (``| head``): not an error

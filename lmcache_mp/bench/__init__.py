@@ -1,4 +1,6 @@
-"""The benchmark behind ``lmcache-mp bench``: executors side by side.
+"""The benchmark behind ``lmcache-mp bench``: executors side by side; and
+``lmcache-mp eval`` (:func:`evaluate`): what each edit keeps of a model's
+output at each budget, beside its modify time (issue #21).
 
 For each executor asked for (``serial``, ``thread``, ``process``), on the
 same prompts and the same model, one run does what a user of the SDK does:
@@ -96,6 +98,20 @@ efficiency is ``null``).
 """
 
 from lmcache_mp.bench._config import BenchConfig
+from lmcache_mp.bench._eval import evaluate
+from lmcache_mp.bench._eval_config import EvalConfig
+from lmcache_mp.bench._eval_table import EVAL_SCHEMA, EvalResult, EvalRow
 from lmcache_mp.bench._result import SCHEMA, BenchResult, run_bench, to_json
 
-__all__ = ["SCHEMA", "BenchConfig", "BenchResult", "run_bench", "to_json"]
+__all__ = [
+    "EVAL_SCHEMA",
+    "SCHEMA",
+    "BenchConfig",
+    "BenchResult",
+    "EvalConfig",
+    "EvalResult",
+    "EvalRow",
+    "evaluate",
+    "run_bench",
+    "to_json",
+]

@@ -6,6 +6,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from lmcache_mp._util.arrays import as_numpy
 from lmcache_mp.engine._base import CachingEngine
@@ -16,6 +17,7 @@ from lmcache_mp.engine._queries import record_queries
 from lmcache_mp.engine._sampling import Sampler, SamplingParams
 from lmcache_mp.engine._stats import EngineStats
 from lmcache_mp.engine._vocab import ToyVocab
+from lmcache_mp.errors import StreamInputError
 from lmcache_mp.hints import gil_bound
 from lmcache_mp.kv import KVContext
 from lmcache_mp.stream import TokenEvent
@@ -187,3 +189,53 @@ class EmbeddedEngine(CachingEngine):
             )
             if step + 1 < params.max_tokens:
                 logits = seq.extend([token])
+
+    def score(
+        self,
+        prompt: Sequence[int],
+        continuation: Sequence[int],
+        cache_salt: str = "",
+    ) -> npt.NDArray[np.float32]:
+        """Teacher-force ``continuation`` after ``prompt``: the model's
+        log-probabilities at each of its tokens, in one forward pass.
+
+        The contract of :meth:`HFEngine.score
+        <lmcache_mp.engine.HFEngine.score>` (vLLM's ``prompt_logprobs``),
+        so that ``lmcache-mp eval`` runs on either engine (issue #21): the
+        prompt's cached prefix (edited or not) is reused as :meth:`__call__`
+        reuses it, the rest is computed, nothing is stored.
+
+        Args:
+            prompt: The context, as a stream would send it next (its tokens
+                then its pending suffix).
+            continuation: The tokens to score (at least one).
+            cache_salt: Isolation salt passed to the context.
+
+        Returns:
+            ``[len(continuation), vocab_size]`` float32 log-probabilities;
+            row ``i`` is the distribution ``continuation[i]`` was drawn
+            from (its argmax is the greedy token, as :meth:`__call__`
+            decodes it).
+
+        Raises:
+            StreamInputError: As :meth:`__call__`, for the whole sequence,
+                or if ``prompt`` or ``continuation`` is empty.
+            KVConfigError: If the cached KV's layout is not the model's.
+        """
+        if not continuation or not prompt:
+            raise StreamInputError(
+                "score needs a non-empty prompt and continuation, got "
+                f"{len(prompt)} and {len(continuation)} tokens"
+            )
+        cfg = self._config
+        whole = check_prompt(
+            [*prompt, *continuation], 1, cfg.vocab_size, cfg.max_position
+        )
+        seq = KVSequence(cfg, len(whole))
+        cached = self._ctx.retrieve(whole[: len(prompt)], cache_salt)
+        reused = 0 if cached is None else seq.load(as_numpy(cached), len(prompt) - 1)
+        logits = seq.extend_logits(whole[reused:-1], last=len(continuation))
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        logprobs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        result: npt.NDArray[np.float32] = logprobs.astype(np.float32)
+        return result

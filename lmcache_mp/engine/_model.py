@@ -217,6 +217,29 @@ class KVSequence:
         Returns:
             The ``[V]`` logits of the last appended position.
         """
+        logits: F64 = self.extend_logits(tokens, queries, last=1)[0]
+        return logits
+
+    def extend_logits(
+        self,
+        tokens: Sequence[int],
+        queries: npt.NDArray[Any] | None = None,
+        *,
+        last: int,
+    ) -> F64:
+        """Run the model over ``tokens`` at the next positions, as
+        :meth:`extend`, keeping the logits of several positions.
+
+        Args:
+            tokens: Token ids to append (at least one).
+            queries: As :meth:`extend`.
+            last: How many of the appended positions' logits to return
+                (1 to ``len(tokens)``); each row is the same whatever
+                ``last`` is (rows are computed independently).
+
+        Returns:
+            ``[last, V]`` logits of the last ``last`` appended positions.
+        """
         cfg, w = self._config, self._weights
         start = self.length
         end = start + len(tokens)
@@ -257,7 +280,7 @@ class KVSequence:
             hidden = np.maximum(linear(rms_norm(x), layer.up), 0.0)
             x = x + linear(hidden, layer.down)
         self.length = end
-        logits: F64 = linear(rms_norm(x[-1:]), w.unembed)[0]
+        logits: F64 = linear(rms_norm(x[-last:]), w.unembed)
         return logits
 
     def prefix(self, count: int) -> npt.NDArray[Any]:

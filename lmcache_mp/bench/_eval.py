@@ -1,0 +1,297 @@
+"""``lmcache-mp eval``: what each edit keeps of a model's output, at each
+budget, beside its modify time (issue #21).
+
+The uncompressed batch runs once: each document's greedy continuation is
+the reference, scored teacher-forced (``engine.score``) for its next-token
+distributions; each passkey haystack's greedy answer is checked. Then every
+edit at every keep runs on fresh streams over a copy of the uncompressed
+KV (and queries) under its own cache salt: two edits keeping the same
+tokens would otherwise share one stored KV, and copying spares a prefill
+per edit. Its documents are scored teacher-forced on the reference
+continuation after the edited KV, its haystacks decoded greedily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from lmcache_mp import request
+from lmcache_mp.batch import LMCacheBatchedStream
+from lmcache_mp.bench._eval_config import EvalConfig
+from lmcache_mp.bench._eval_engine import EvalEngine, open_engine
+from lmcache_mp.bench._eval_prompts import (
+    Passkey,
+    document_prompts,
+    passkey_prompts,
+)
+from lmcache_mp.bench._eval_table import EvalResult, EvalRow
+from lmcache_mp.bench._monitor import ProgressLine
+from lmcache_mp.cache_kind import LMCacheSDKCacheKind
+from lmcache_mp.edits import KIND_EDITS, Edit, make_edit
+from lmcache_mp.kv import KVStore, connect
+
+__all__ = ["EDIT_PARAMS", "evaluate", "kl_divergence", "top1_agreement"]
+
+_GREEDY = {"temperature": 0.0, "ignore_eos": True}
+#: Parameters the eval gives an edit besides ``keep`` and ``attention``:
+#: random's defaults protect 256 tokens at each end, the whole of the eval's
+#: prompts, so here it is a uniformly random subset (kvpress's RandomPress).
+EDIT_PARAMS: dict[str, dict[str, Any]] = {"random": {"keep_first": 0, "keep_last": 0}}
+_F32 = npt.NDArray[np.float32]
+
+
+def top1_agreement(logprobs: _F32, reference: Sequence[int]) -> npt.NDArray[np.bool_]:
+    """Whether each row's most likely token is the reference's token.
+
+    Args:
+        logprobs: ``[N, V]`` log-probabilities (``engine.score``).
+        reference: The ``N`` tokens of the reference continuation.
+
+    Returns:
+        ``[N]`` booleans.
+    """
+    hits: npt.NDArray[np.bool_] = logprobs.argmax(axis=1) == np.asarray(reference)
+    return hits
+
+
+def kl_divergence(reference: _F32, edited: _F32) -> npt.NDArray[np.float64]:
+    """``KL(p_ref || p_edit)`` of each row, in nats (as llama.cpp's
+    ``perplexity --kl-divergence`` reports it).
+
+    Args:
+        reference: ``[N, V]`` log-probabilities of the uncompressed run.
+        edited: ``[N, V]`` log-probabilities after the edit.
+
+    Returns:
+        ``[N]`` divergences, each >= 0 (up to rounding).
+    """
+    ref = reference.astype(np.float64)
+    kl: npt.NDArray[np.float64] = (np.exp(ref) * (ref - edited)).sum(axis=1)
+    return kl
+
+
+def _copy(ctx: KVStore, prompt: list[int], salt: str) -> None:
+    """Store the uncompressed cached prefix of ``prompt`` under ``salt``."""
+    cached = ctx.retrieve(prompt, "")
+    if cached is not None:
+        ctx.store(cached, prompt[: cached.shape[2]], salt)
+
+
+class _Eval:
+    """One eval's state: its engine, streams and the uncompressed run."""
+
+    def __init__(
+        self,
+        config: EvalConfig,
+        model: EvalEngine,
+        contexts: list[KVStore],
+        batch: LMCacheBatchedStream,
+        threads: LMCacheBatchedStream,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.contexts = contexts
+        self.batch = batch
+        self.threads = threads
+        self.documents = [model.encode(t) for t in document_prompts(config.prompts)]
+        self.passkeys: list[Passkey] = passkey_prompts(
+            config.prompts, config.haystack_lines, config.seed
+        )
+        self.haystacks = [model.encode(p.text) for p in self.passkeys]
+        self.references: list[list[int]] = []
+        self.reference_logprobs: list[_F32] = []
+        self.streams: dict[str, request.LMCacheRequestStream] = {}
+
+    def _add(
+        self,
+        batch: LMCacheBatchedStream,
+        prompts: list[list[int]],
+        salt: str,
+        kinds: int,
+    ) -> list[str]:
+        """Add a stream per prompt (over the first ``kinds`` contexts)."""
+        ids = []
+        for prompt in prompts:
+            stream = request.create_request(
+                self.contexts[:kinds], self.model.engine, prompt, salt
+            )
+            batch.add(stream)
+            self.streams[stream.request_stream_id] = stream
+            ids.append(stream.request_stream_id)
+        return ids
+
+    def _passkey(self, ids: list[str]) -> float:
+        """Decode the haystacks' answers; the fraction that state the key."""
+        self.batch.decode(
+            {**_GREEDY, "max_tokens": self.config.answer_tokens}, stream_ids=ids
+        )
+        answers = [self.model.decode(self.streams[sid].output_tokens) for sid in ids]
+        return float(
+            np.mean(
+                [p.found_in(a) for p, a in zip(self.passkeys, answers, strict=True)]
+            )
+        )
+
+    def reference(self) -> EvalRow:
+        """Run the uncompressed batch; its row (keep 1)."""
+        docs = self._add(self.batch, self.documents, "", len(self.contexts))
+        keys = self._add(self.batch, self.haystacks, "", len(self.contexts))
+        self.batch.decode(
+            {**_GREEDY, "max_tokens": self.config.continuation}, stream_ids=docs
+        )
+        passkey = self._passkey(keys)
+        for sid, prompt in zip(docs, self.documents, strict=True):
+            ref = list(self.streams[sid].output_tokens)
+            self.references.append(ref)
+            self.reference_logprobs.append(self.model.engine.score(prompt, ref, ""))
+        agreement = np.concatenate(
+            [
+                top1_agreement(lp, ref)
+                for lp, ref in zip(
+                    self.reference_logprobs, self.references, strict=True
+                )
+            ]
+        )
+        return EvalRow("none", 1.0, 1.0, float(agreement.mean()), 0.0, passkey)
+
+    def variant(self, name: str, keep: float) -> EvalRow:
+        """Run one edit at one keep; its row."""
+        params = dict(EDIT_PARAMS.get(name, {}))
+        if self.config.rerotate is not None:
+            params["rerotate"] = self.config.rerotate
+        edit = make_edit(name, keep=keep, attention=self.model.attention, **params)
+        kinds = len(self.contexts) if name in KIND_EDITS else 1
+        salt = f"{name}@{keep}"
+        prompts = self.documents + self.haystacks
+        docs, keys = self._fresh(self.batch, salt, kinds)
+        modify_s = self._modify(self.batch, edit, docs + keys)
+        contexts = [self._context(sid) for sid in docs + keys]
+        kept = np.mean(
+            [len(c) / len(p) for c, p in zip(contexts, prompts, strict=True)]
+        )
+        passkey = self._passkey(keys)
+        hits, kls = [], []
+        # The documents' streams come first.
+        for context, ref, ref_lp in zip(
+            contexts[: len(docs)],
+            self.references,
+            self.reference_logprobs,
+            strict=True,
+        ):
+            logprobs = self.model.engine.score(context, ref, salt)
+            hits.append(top1_agreement(logprobs, ref))
+            kls.append(kl_divergence(ref_lp, logprobs))
+        thread_s = modify_s
+        if self.batch.executor.name != "thread":
+            t_docs, t_keys = self._fresh(self.threads, f"{salt}/thread", kinds)
+            thread_s = self._modify(self.threads, edit, t_docs + t_keys)
+        return EvalRow(
+            name,
+            keep,
+            float(kept),
+            float(np.concatenate(hits).mean()),
+            float(np.concatenate(kls).mean()),
+            passkey,
+            modify_s,
+            thread_s,
+        )
+
+    def _context(self, sid: str) -> list[int]:
+        """What the stream sends next: its tokens, then its pending suffix
+        (the prompt's tail past the last full chunk, which modify left
+        uncached)."""
+        stream = self.streams[sid]
+        return list(stream.tokens) + list(stream.suffix_tokens)
+
+    def _fresh(
+        self, batch: LMCacheBatchedStream, salt: str, kinds: int
+    ) -> tuple[list[str], list[str]]:
+        """New streams of the prompts under ``salt``, their uncompressed KV
+        (and queries) copied there, so that they need no prefill."""
+        for prompt in self.documents + self.haystacks:
+            for ctx in self.contexts[:kinds]:
+                _copy(ctx, prompt, salt)
+        return (
+            self._add(batch, self.documents, salt, kinds),
+            self._add(batch, self.haystacks, salt, kinds),
+        )
+
+    @staticmethod
+    def _modify(batch: LMCacheBatchedStream, edit: Edit, ids: list[str]) -> float:
+        """Modify the streams; the phase's wall time in seconds."""
+        begin = time.perf_counter()
+        # numpy: the ready-made edits compute in numpy (a 0.5.6 stream's
+        # default, torch, would time the conversion).
+        batch.modify(edit, stream_ids=ids, array="numpy")
+        return time.perf_counter() - begin
+
+
+def evaluate(config: EvalConfig | None = None, **overrides: Any) -> EvalResult:
+    """Measure what each edit at each keep keeps of the model's output.
+
+    For ``config.prompts`` documents, the uncompressed run's greedy
+    continuation of ``config.continuation`` tokens is the reference; each
+    edit's row gives the teacher-forced top-1 agreement with it and the mean
+    ``KL(p_ref || p_edit)`` of the next-token distributions over it; the
+    passkey accuracy over as many haystacks (the greedy answer states the
+    hidden 5-digit number); the modify wall time on ``config.executor`` and
+    on threads. The first row, ``none``, is the uncompressed run (its
+    agreement is the scorer's own against greedy decoding, 1.0 up to ties).
+
+    Args:
+        config: The eval (default ``EvalConfig()``).
+        **overrides: Fields replacing the config's, e.g. ``keeps=(0.5,)``.
+
+    Returns:
+        The result: table, JSON and plot.
+
+    Raises:
+        ValueError: For an invalid config (see :class:`EvalConfig`).
+        TypeError: If ``overrides`` names no field of the config.
+        ModelLoadError: If the model cannot be loaded.
+        LMCacheBatchedStreamError: If a phase failed on some stream.
+    """
+    config = dataclasses.replace(config or EvalConfig(), **overrides)
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    begin = time.perf_counter()
+    store = connect(
+        f"shm:///lmcache-mp-eval-{secrets.token_hex(6)}",
+        chunk_size=config.chunk_size,
+    )
+    contexts = [store]
+    try:
+        if config.needs_queries:
+            contexts.append(store.for_kind(LMCacheSDKCacheKind.QUERY))
+        model = open_engine(
+            config.engine, store, contexts[1] if config.needs_queries else None
+        )
+        with (
+            LMCacheBatchedStream(
+                config.executor, max_workers=config.workers, preload=model.preload
+            ) as batch,
+            LMCacheBatchedStream("thread") as threads,
+        ):
+            run = _Eval(config, model, contexts, batch, threads)
+            with ProgressLine("[eval] uncompressed"):
+                rows = [run.reference()]
+            for name in config.edits:
+                for keep in config.keeps:
+                    with ProgressLine(f"[eval] {name} keep {keep:g}"):
+                        rows.append(run.variant(name, keep))
+            tokens = {
+                "documents": float(np.mean([len(p) for p in run.documents])),
+                "passkey": float(np.mean([len(p) for p in run.haystacks])),
+            }
+    finally:
+        for ctx in contexts[1:]:
+            ctx.close()
+        store.destroy()
+    return EvalResult(config, rows, tokens, time.perf_counter() - begin, created)

@@ -1,0 +1,189 @@
+"""``lmcache-mp eval``: its arguments, and running it from them (issue #21)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from lmcache_mp.bench._cli import _check_path, _fraction, _int_at_least, _names
+from lmcache_mp.bench._eval import evaluate
+from lmcache_mp.bench._eval_config import EVAL_EDITS, EVAL_EXECUTORS, EvalConfig
+from lmcache_mp.bench._plot import require_matplotlib
+from lmcache_mp.edits import EDITS, KIND_EDITS
+from lmcache_mp.errors import LMCacheError
+
+__all__ = ["add_eval_parser", "eval_config_from_args", "run_eval_command"]
+
+_DEFAULTS = EvalConfig()
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    """Comma-separated fractions in (0, 1]."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(
+            f"expected fractions in (0, 1] separated by commas, got {text!r}"
+        )
+    return tuple(_fraction(part) for part in parts)
+
+
+def _int(group: argparse._ActionsContainer, flag: str, default: int, text: str) -> None:
+    group.add_argument(
+        flag,
+        type=_int_at_least(1),
+        default=default,
+        metavar="N",
+        help=f"{text} (default: {default})",
+    )
+
+
+def add_eval_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Add the ``eval`` subcommand and its options.
+
+    Args:
+        subparsers: The top-level parser's subparsers.
+
+    Returns:
+        The ``eval`` parser.
+    """
+    d = _DEFAULTS
+    known = sorted({*EDITS, *KIND_EDITS})
+    edits: Callable[[str], tuple[str, ...]] = _names("edit", known)
+    p = subparsers.add_parser(
+        "eval",
+        help="what each edit keeps of a model's output, at each budget",
+        description=(
+            "Run the uncompressed batch once, then each edit at each keep on "
+            "a copy of its KV, and print per edit and keep: teacher-forced "
+            "top-1 agreement and KL divergence against the uncompressed "
+            "greedy continuation, passkey retrieval accuracy, and the modify "
+            "wall time on the executor and on threads."
+        ),
+    )
+    p.add_argument(
+        "--edits",
+        "--edit",
+        dest="edits",
+        type=edits,
+        default=d.edits,
+        metavar="NAMES",
+        help=f"comma-separated (default: {','.join(EVAL_EDITS)})",
+    )
+    p.add_argument(
+        "--keep",
+        type=_fractions,
+        default=d.keeps,
+        metavar="FRACTIONS",
+        help="comma-separated fractions of the prompt's tokens to keep "
+        f"(default: {','.join(f'{k:g}' for k in d.keeps)})",
+    )
+    _int(p, "--continuation", d.continuation, "tokens scored after each document")
+    _int(p, "--prompts", d.prompts, "documents, and as many passkey haystacks")
+    p.add_argument(
+        "--executor",
+        choices=EVAL_EXECUTORS,
+        default=d.executor,
+        help=f"what runs modify (default: {d.executor}); also timed on threads",
+    )
+    p.add_argument(
+        "--engine",
+        default=d.engine,
+        metavar="MODEL",
+        help=f"smollm2-135m, a local model or GGUF, or toy (default: {d.engine})",
+    )
+    p.add_argument(
+        "--workers",
+        type=_int_at_least(1),
+        default=None,
+        metavar="N",
+        help="worker processes (default: physical cores)",
+    )
+    _int(p, "--chunk-size", d.chunk_size, "tokens per KV store chunk")
+    p.add_argument(
+        "--haystack-lines",
+        type=_int_at_least(0),
+        default=d.haystack_lines,
+        metavar="N",
+        help=f"filler lines per passkey haystack (default: {d.haystack_lines})",
+    )
+    p.add_argument(
+        "--rerotate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="move every edit's kept keys to positions 0..kept-1, or none's "
+        "(default: each edit's own default; streamingllm's is on)",
+    )
+    p.add_argument(
+        "--seed", type=_int_at_least(0), default=d.seed, help="seed of the passkeys"
+    )
+    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    p.add_argument(
+        "--plot", metavar="PATH", help="draw quality against keep (needs 'plot')"
+    )
+    return p
+
+
+def eval_config_from_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> EvalConfig:
+    """Build the config; a bad combination is a usage error (exit 2).
+
+    Args:
+        parser: The ``eval`` parser (for ``parser.error``).
+        args: Its parsed arguments.
+
+    Returns:
+        The config.
+    """
+    _check_path(parser, "--json", args.json)
+    _check_path(parser, "--plot", args.plot)
+    if args.plot is not None:
+        try:
+            require_matplotlib()
+        except ImportError as exc:
+            parser.error(f"--plot: {exc}")
+    try:
+        return EvalConfig(
+            edits=args.edits,
+            keeps=args.keep,
+            continuation=args.continuation,
+            prompts=args.prompts,
+            executor=args.executor,
+            engine=args.engine,
+            workers=args.workers,
+            chunk_size=args.chunk_size,
+            haystack_lines=args.haystack_lines,
+            seed=args.seed,
+            rerotate=args.rerotate,
+        )
+    except ValueError as exc:
+        parser.error(f"invalid configuration: {exc}")
+
+
+def run_eval_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run ``lmcache-mp eval`` with parsed arguments.
+
+    Args:
+        parser: The ``eval`` parser.
+        args: Its parsed arguments.
+
+    Returns:
+        The exit status: 0, or 1 when the model or a phase failed.
+    """
+    config = eval_config_from_args(parser, args)
+    try:
+        result = evaluate(config)
+    except LMCacheError as exc:
+        print(f"lmcache-mp eval: error: {exc}", file=sys.stderr)
+        return 1
+    print(result.format())
+    if args.json is not None:
+        result.write_json(args.json)
+        print(f"\nJSON written to {args.json}")
+    if args.plot is not None:
+        result.write_plot(args.plot)
+        print(f"plot written to {args.plot}")
+    return 0

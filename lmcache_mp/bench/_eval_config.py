@@ -1,0 +1,127 @@
+"""What ``lmcache-mp eval`` runs: its configuration (issue #21)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from lmcache_mp.edits import EDITS, KIND_EDITS
+
+__all__ = ["EVAL_EDITS", "EVAL_EXECUTORS", "EvalConfig"]
+
+#: The edits ``lmcache-mp eval`` compares by default: the methods of
+#: issue #21, every one sized by ``keep``.
+EVAL_EDITS = (
+    "random",
+    "window",
+    "streamingllm",
+    "knorm",
+    "keydiff",
+    "tova",
+    "snapkv",
+    "h2o",
+    "rkv",
+)
+#: Executors the modify phase may run on (the eval's own process runs the
+#: scoring; distributed executors are the bench's).
+EVAL_EXECUTORS = ("process", "thread", "serial", "auto")
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"EvalConfig.{name} must be an int >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """An eval: which edits at which budgets, on which prompts and model.
+
+    Args:
+        edits: Edit names (of ``lmcache_mp.edits.EDITS`` or ``KIND_EDITS``),
+            each built with ``keep=`` and the model's ``attention``, its
+            other parameters (``rerotate`` included) at their defaults.
+        keeps: Fractions of the prompt's tokens each edit keeps.
+        continuation: Tokens of the uncompressed greedy continuation that
+            every edit is scored on (teacher-forced).
+        prompts: Documents to continue, and as many passkey haystacks.
+        executor: What runs the modify phase (and the decodes); the same
+            edit's modify is also timed on threads.
+        engine: ``"smollm2-135m"`` (or another model ``HFEngine`` loads) or
+            ``"toy"``.
+        workers: Worker processes (default: physical cores).
+        chunk_size: Tokens per KV store chunk.
+        haystack_lines: Filler lines of each passkey haystack (16 is about
+            450 SmolLM2 tokens).
+        answer_tokens: Tokens greedily decoded as a passkey answer.
+        seed: Seed of the passkeys.
+        rerotate: Build every edit with this ``rerotate`` (``None``: each
+            edit's documented default; only ``streamingllm`` rerotates by
+            default, and an edit that does not leaves its kept keys at
+            their old positions while decoding continues at the kept count,
+            as vLLM + LMCache would).
+
+    Raises:
+        ValueError: If an edit is unknown or named twice, a keep is not in
+            ``(0, 1]``, or a count is not a positive int.
+    """
+
+    edits: tuple[str, ...] = EVAL_EDITS
+    keeps: tuple[float, ...] = (0.25, 0.5)
+    continuation: int = 32
+    prompts: int = 6
+    executor: str = "process"
+    engine: str = "smollm2-135m"
+    workers: int | None = None
+    chunk_size: int = 16
+    haystack_lines: int = 16
+    answer_tokens: int = 8
+    seed: int = 0
+    rerotate: bool | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "edits", tuple(self.edits))
+        object.__setattr__(self, "keeps", tuple(float(k) for k in self.keeps))
+        known = {*EDITS, *KIND_EDITS}
+        for name in self.edits:
+            if name not in known:
+                raise ValueError(
+                    f"EvalConfig.edits: unknown edit {name!r}; known edits: "
+                    f"{', '.join(sorted(known))}"
+                )
+        if not self.edits or len(set(self.edits)) != len(self.edits):
+            raise ValueError(
+                f"EvalConfig.edits must name distinct edits, got {self.edits!r}"
+            )
+        if not self.keeps or not all(
+            math.isfinite(k) and 0 < k <= 1 for k in self.keeps
+        ):
+            raise ValueError(
+                f"EvalConfig.keeps must be fractions in (0, 1], got {self.keeps!r}"
+            )
+        if self.executor not in EVAL_EXECUTORS:
+            raise ValueError(
+                f"EvalConfig.executor is {self.executor!r}; choose from "
+                f"{', '.join(EVAL_EXECUTORS)}"
+            )
+        for name in ("continuation", "prompts", "chunk_size", "answer_tokens"):
+            _positive(name, getattr(self, name))
+        if self.haystack_lines < 0:
+            raise ValueError(
+                f"EvalConfig.haystack_lines must be >= 0, got {self.haystack_lines}"
+            )
+        if self.workers is not None:
+            _positive("workers", self.workers)
+
+    @property
+    def needs_queries(self) -> bool:
+        """Whether an edit scores the KV with the prompt's queries."""
+        return any(name in KIND_EDITS for name in self.edits)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields, JSON-ready (tuples as lists)."""
+        return {
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in dataclasses.asdict(self).items()
+        }
