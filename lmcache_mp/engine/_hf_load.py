@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmcache_mp.edits import AttentionConfig
 from lmcache_mp.engine._hf_attention import ATTENTION, register
 from lmcache_mp.errors import ModelLoadError
 
@@ -75,6 +76,30 @@ class LoadedModel:
 
     model: Any
     tokenizer: Any
+
+    @property
+    def layout(self) -> tuple[int, int, int, int]:
+        """``(layers, q_heads, kv_heads, head_dim)`` of the model."""
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or (
+            cfg.hidden_size // cfg.num_attention_heads
+        )
+        return (
+            cfg.num_hidden_layers,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            head_dim,
+        )
+
+    @property
+    def attention(self) -> AttentionConfig:
+        """The model's heads and RoPE, for edits that group query heads or
+        rerotate keys."""
+        _, q_heads, kv_heads, head_dim = self.layout
+        rotary = next(m for m in self.model.modules() if hasattr(m, "inv_freq"))
+        # The model's own inverse frequencies: scaled RoPE (Llama 3's) included.
+        inv_freq = tuple(float(f) for f in rotary.inv_freq)
+        return AttentionConfig(q_heads, kv_heads, head_dim, inv_freq=inv_freq)
 
 
 def resolve(
