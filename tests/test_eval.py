@@ -15,7 +15,7 @@ import pytest
 
 from lmcache_mp.__main__ import build_parser, main
 from lmcache_mp.bench import EVAL_SCHEMA, EvalConfig, EvalResult, evaluate
-from lmcache_mp.bench._eval import kl_divergence, top1_agreement
+from lmcache_mp.bench._agreement import kl_divergence, top1_agreement
 from lmcache_mp.bench._eval_cli import eval_config_from_args
 from lmcache_mp.bench._eval_prompts import (
     FILLER,

@@ -17,7 +17,6 @@ import dataclasses
 import datetime
 import secrets
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -25,6 +24,7 @@ import numpy.typing as npt
 
 from lmcache_mp import request
 from lmcache_mp.batch import LMCacheBatchedStream
+from lmcache_mp.bench._agreement import kl_divergence, top1_agreement
 from lmcache_mp.bench._eval_config import EvalConfig
 from lmcache_mp.bench._eval_engine import EvalEngine, open_engine
 from lmcache_mp.bench._eval_prompts import (
@@ -38,7 +38,7 @@ from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.edits import KIND_EDITS, Edit, make_edit
 from lmcache_mp.kv import KVStore, connect
 
-__all__ = ["EDIT_PARAMS", "evaluate", "kl_divergence", "top1_agreement"]
+__all__ = ["EDIT_PARAMS", "evaluate"]
 
 _GREEDY = {"temperature": 0.0, "ignore_eos": True}
 #: Parameters the eval gives an edit besides ``keep`` and ``attention``:
@@ -46,36 +46,6 @@ _GREEDY = {"temperature": 0.0, "ignore_eos": True}
 #: prompts, so here it is a uniformly random subset (kvpress's RandomPress).
 EDIT_PARAMS: dict[str, dict[str, Any]] = {"random": {"keep_first": 0, "keep_last": 0}}
 _F32 = npt.NDArray[np.float32]
-
-
-def top1_agreement(logprobs: _F32, reference: Sequence[int]) -> npt.NDArray[np.bool_]:
-    """Whether each row's most likely token is the reference's token.
-
-    Args:
-        logprobs: ``[N, V]`` log-probabilities (``engine.score``).
-        reference: The ``N`` tokens of the reference continuation.
-
-    Returns:
-        ``[N]`` booleans.
-    """
-    hits: npt.NDArray[np.bool_] = logprobs.argmax(axis=1) == np.asarray(reference)
-    return hits
-
-
-def kl_divergence(reference: _F32, edited: _F32) -> npt.NDArray[np.float64]:
-    """``KL(p_ref || p_edit)`` of each row, in nats (as llama.cpp's
-    ``perplexity --kl-divergence`` reports it).
-
-    Args:
-        reference: ``[N, V]`` log-probabilities of the uncompressed run.
-        edited: ``[N, V]`` log-probabilities after the edit.
-
-    Returns:
-        ``[N]`` divergences, each >= 0 (up to rounding).
-    """
-    ref = reference.astype(np.float64)
-    kl: npt.NDArray[np.float64] = (np.exp(ref) * (ref - edited)).sum(axis=1)
-    return kl
 
 
 def _copy(ctx: KVStore, prompt: list[int], salt: str) -> None:
