@@ -47,8 +47,10 @@ TINY: dict[str, Any] = {
     "head_dim": 8,
     "max_tokens": 4,
     "chunk_size": 16,
+    "engine": "toy",
 }
 TINY_FLAGS = [
+    "--engine=toy",
     "--streams=2",
     "--prompt-tokens=64",
     "--layers=1",
@@ -78,11 +80,14 @@ def all_executors() -> dict[str, Any]:
 
 def test_no_flags_runs_the_default_config() -> None:
     """``lmcache-mp bench`` with no flags runs BenchConfig's defaults:
-    thread, process and auto on the GIL-bound pyscore edit (issue #12: the
-    default run is about modify), no sweep, one repeat."""
+    SmolLM2-135M (issue #21), 4 streams x 512 tokens, thread and process on
+    the GIL-bound pyscore edit (issue #12: the default run is about
+    modify), no sweep, one repeat."""
     config = parse()
     assert config == BenchConfig()
-    assert config.executors == ("thread", "process", "auto")
+    assert config.engine == "smollm2-135m"
+    assert (config.streams, config.prompt_tokens) == (4, 512)
+    assert config.executors == ("thread", "process")
     assert config.edits == ("pyscore",)
     assert (config.sweep, config.repeat, config.workers) == (None, 1, None)
 
@@ -93,9 +98,9 @@ def test_no_flags_runs_the_default_config() -> None:
         (["--executors", "serial,process"], "executors", ("serial", "process")),
         (["--streams", "3"], "streams", 3),
         (["--prompt-tokens", "128"], "prompt_tokens", 128),
-        (["--layers", "2"], "layers", 2),
-        (["--kv-heads", "3"], "kv_heads", 3),
-        (["--head-dim", "8"], "head_dim", 8),
+        (["--engine", "toy", "--layers", "2"], "layers", 2),
+        (["--engine", "toy", "--kv-heads", "3"], "kv_heads", 3),
+        (["--engine", "synthetic", "--head-dim", "8"], "head_dim", 8),
         (["--dtype", "float16"], "dtype", "float16"),
         (["--edit", "pyscore,redundancy"], "edits", ("pyscore", "redundancy")),
         (["--edit", "window", "--keep", "0.25"], "keep", 0.25),
@@ -106,6 +111,8 @@ def test_no_flags_runs_the_default_config() -> None:
         (["--sweep", "prompt-tokens"], "sweep", "prompt-tokens"),
         (["--chunk-size", "32"], "chunk_size", 32),
         (["--seed", "7"], "seed", 7),
+        (["--engine", "toy"], "engine", "toy"),
+        (["--engine", "/models/llama"], "engine", "/models/llama"),
         (["--executor", "dask"], "executors", ("dask",)),
         (
             ["--executor", "dask", "--scheduler", "dask://127.0.0.1:8786"],
@@ -148,7 +155,10 @@ def test_each_flag_sets_its_field(flags: list[str], field: str, value: Any) -> N
         (["--dtype", "float64"], "invalid choice: 'float64'"),
         (["--sweep", "cores"], "invalid choice: 'cores'"),
         (["--start-method", "thread"], "invalid choice: 'thread'"),
-        (["--head-dim", "7"], "head_dim is 7, expected an even number"),
+        (
+            ["--engine", "toy", "--head-dim", "7"],
+            "head_dim is 7, expected an even number",
+        ),
         (["--json", "/nonexistent-dir/x.json"], "/nonexistent-dir does not exist"),
         (["--scheduler", "dask://h:1"], "--scheduler is for the dask executor"),
         (["--ray-address", "h:1"], "--ray-address is for the ray executor"),
@@ -268,14 +278,26 @@ def test_flags_beside_a_shape_override_it() -> None:
     assert (config.layers, config.kv_heads, config.dtype) == (2, 8, "float16")
 
 
-def test_bfloat16_needs_the_synthetic_engine(
+def test_bfloat16_is_not_the_toy_engines(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The embedded toy model computes float16/float32 only: bfloat16 on it
-    is a usage error naming what it takes."""
+    """The toy model computes float16/float32 only: bfloat16 on it is a
+    usage error naming what it takes."""
     with pytest.raises(SystemExit):
-        parse("--dtype", "bfloat16")
-    assert "the embedded engine takes float16, float32" in capsys.readouterr().err
+        parse("--engine", "toy", "--dtype", "bfloat16")
+    assert "the toy engine takes float16, float32" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [["--layers", "2"], ["--shape", "llama3-8b"]])
+def test_a_trained_model_has_its_own_kv_shape(
+    flag: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A KV-shape flag beside a trained model is a usage error that names
+    the flag and the engines that take it."""
+    with pytest.raises(SystemExit):
+        parse("--engine", "smollm2-135m", *flag)
+    err = capsys.readouterr().err
+    assert flag[0] in err and "own KV shape" in err and "--engine synthetic" in err
 
 
 def test_auto_brings_its_unhinted_run() -> None:
@@ -308,10 +330,9 @@ def synthetic_run() -> dict[str, Any]:
     """A tiny bfloat16 run on the synthetic engine: thread, auto, auto-unhinted."""
     config = BenchConfig(
         executors=("thread", "auto"),
-        engine="synthetic",
         dtype="bfloat16",
         edits=("pyscore",),
-        **TINY,
+        **{**TINY, "engine": "synthetic"},
     )
     return run_bench(config, progress=False).to_dict()
 
@@ -689,6 +710,7 @@ def test_header_warns_when_threads_cannot_cap_blas() -> None:
 
 def _tiny_compare_config() -> BenchConfig:
     return BenchConfig(
+        engine="toy",
         executors=("serial", "thread"),
         streams=2,
         prompt_tokens=64,

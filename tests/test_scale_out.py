@@ -335,6 +335,7 @@ def test_bench_runs_dask_and_ray_beside_the_pool_on_redis(
     status = main(
         [
             "bench",
+            "--engine=toy",
             "--streams=3",
             "--prompt-tokens=64",
             "--layers=1",

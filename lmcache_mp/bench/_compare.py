@@ -212,6 +212,7 @@ def run_compare(
         fastest first, with ``x_fastest`` and ``x_thread``),
         ``outputs_agree`` and ``unavailable`` (peer -> why).
     """
+    config = config.with_model_dims()
     points = []
     for name in config.edits:
         edit = config.edit(name)

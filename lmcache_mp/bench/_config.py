@@ -10,11 +10,13 @@ from typing import Any
 
 import numpy as np
 
+from lmcache_mp.bench._eval_prompts import document_tokens
 from lmcache_mp.bench._shapes import SHAPES
 from lmcache_mp.bench._synthetic import SYNTHETIC_VOCAB, SyntheticEngine
-from lmcache_mp.edits import EDITS, KIND_EDITS, Edit, make_edit
-from lmcache_mp.engine import EmbeddedEngine, EngineConfig
+from lmcache_mp.edits import EDITS, KIND_EDITS, AttentionConfig, Edit, make_edit
+from lmcache_mp.engine import EmbeddedEngine, EngineConfig, HFEngine
 from lmcache_mp.engine._config import KV_DTYPES
+from lmcache_mp.engine._hf_load import LoadedModel, load_model, resolve
 from lmcache_mp.executors import EXECUTOR_NAMES
 from lmcache_mp.kv import KVContext
 
@@ -25,8 +27,11 @@ __all__ = [
     "BENCH_ENGINES",
     "BENCH_EXECUTORS",
     "DEFAULT_KEEP",
+    "DEFAULT_MODEL",
     "DROPPING_EDITS",
     "SWEEPS",
+    "SYNTHETIC",
+    "TOY",
     "BenchConfig",
     "at_sweep_value",
     "sweep_values",
@@ -37,10 +42,19 @@ __all__ = [
 AUTO_UNHINTED = "auto-unhinted"
 #: Executors the bench can run: the library's names and the engines.
 BENCH_EXECUTORS = (*EXECUTOR_NAMES, AUTO_UNHINTED, "dask", "ray")
-#: Engines the phases run on: the exact toy model, or real shapes' stand-in
+#: ``engine`` for the exact toy model (:class:`EmbeddedEngine`, random
+#: weights).
+TOY = "toy"
+#: ``engine`` for real shapes' stand-in without a model
 #: (:class:`~lmcache_mp.bench._synthetic.SyntheticEngine`).
-BENCH_ENGINES = ("embedded", "synthetic")
-#: KV dtypes: the embedded engine's, and bfloat16 for the synthetic one.
+SYNTHETIC = "synthetic"
+#: The engines named by a keyword; any other ``engine`` is a trained model
+#: that :meth:`HFEngine.from_pretrained` loads.
+BENCH_ENGINES = (TOY, SYNTHETIC)
+#: The default engine (issue #21): SmolLM2-135M, a trained model, so that
+#: the main job shows what an edit keeps of a real model's output.
+DEFAULT_MODEL = "smollm2-135m"
+#: KV dtypes: the toy engine's, and bfloat16 for the others.
 BENCH_DTYPES = (*KV_DTYPES, "bfloat16")
 #: Edits the bench runs: :data:`~lmcache_mp.edits.EDITS`, and the
 #: :data:`~lmcache_mp.edits.KIND_EDITS`, whose streams get a QUERY context.
@@ -89,11 +103,12 @@ class BenchConfig:
             ``"dask"``, ``"ray"``.
         streams: Request streams in the batch.
         prompt_tokens: Tokens of each stream's prompt.
-        layers: Transformer blocks of the embedded model.
+        layers: Transformer blocks of the toy or synthetic model (a trained
+            model's own are set by :meth:`with_model_dims`).
         kv_heads: Attention heads (K/V heads == query heads).
         head_dim: Channels per head (even).
         dtype: KV dtype, ``"float32"``, ``"float16"``, or ``"bfloat16"``
-            (synthetic engine only).
+            (not the toy engine's); a trained model runs in it.
         edits: Ready-made edits to run (names of
             :data:`lmcache_mp.edits.EDITS`); each gets its own runs.
         keep: Fraction of tokens the dropping edits keep (``None``: 0.5).
@@ -118,19 +133,24 @@ class BenchConfig:
         shape: The name of the preset in :data:`~lmcache_mp.bench._shapes.SHAPES`
             the model dims came from, or ``None`` (recorded, not applied:
             the command line applies it).
-        engine: ``"embedded"`` (the exact toy model) or ``"synthetic"``
-            (a real shape's KV without a model, for ``--shape``).
+        engine: A trained model, as :meth:`HFEngine.from_pretrained` names
+            it (default ``"smollm2-135m"``: its prompts are prose, and each
+            point reports the edit's agreement with the uncompressed run);
+            ``"toy"`` (the exact toy model, random weights); or
+            ``"synthetic"`` (a real shape's KV without a model, for
+            ``--shape``).
 
     Raises:
         ValueError: If a field is out of range; the message names it.
     """
 
-    # Sized so that the default run spends its time in modify, the phase
-    # the library exists for (issue #12): 8 MiB of KV per stream, the
-    # GIL-bound edit, a short decode.
-    executors: tuple[str, ...] = ("thread", "process", "auto")
-    streams: int = 8
-    prompt_tokens: int = 1024
+    # Sized so that the default run on the trained model takes about two
+    # minutes on 2 cores (issue #21), its prefill ~11 s per executor, and
+    # spends its modify in the GIL-bound edit, the phase the library exists
+    # for (issue #12).
+    executors: tuple[str, ...] = ("thread", "process")
+    streams: int = 4
+    prompt_tokens: int = 512
     layers: int = 8
     kv_heads: int = 4
     head_dim: int = 32
@@ -148,7 +168,7 @@ class BenchConfig:
     scheduler: str | None = None
     ray_address: str | None = None
     shape: str | None = None
-    engine: str = "embedded"
+    engine: str = DEFAULT_MODEL
 
     def __post_init__(self) -> None:
         """Check every field.
@@ -177,8 +197,12 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.seed must be an int, got {self.seed!r}")
         if self.seed < 0:
             raise ValueError(f"BenchConfig.seed must be >= 0, got {self.seed}")
-        _one_of("engine", self.engine, BENCH_ENGINES)
-        dtypes = KV_DTYPES if self.engine == "embedded" else BENCH_DTYPES
+        if not isinstance(self.engine, str) or not self.engine:
+            raise ValueError(
+                f"BenchConfig.engine must name a model, {TOY!r} or "
+                f"{SYNTHETIC!r}; got {self.engine!r}"
+            )
+        dtypes = KV_DTYPES if self.engine == TOY else BENCH_DTYPES
         if self.dtype not in dtypes:
             raise ValueError(
                 f"BenchConfig.dtype is {self.dtype!r}; the {self.engine} engine "
@@ -197,15 +221,14 @@ class BenchConfig:
             _one_of("sweep", self.sweep, SWEEPS)
         # Builds the model config now, so a shape the engine rejects fails
         # before anything runs.
-        if self.engine == "embedded":
+        if self.engine == TOY:
             self.engine_config()
         scored = [e for e in self.edits if e in KIND_EDITS]
-        if scored and self.engine != "embedded":
+        if scored and self.engine == SYNTHETIC:
             # The synthetic engine records no queries to score with.
             raise ValueError(
                 f"BenchConfig.edits {', '.join(scored)} score with the prompt's "
-                f"queries, which only the embedded engine records; got engine "
-                f"{self.engine!r}"
+                f"queries, which the synthetic engine does not record"
             )
 
     @staticmethod
@@ -234,6 +257,39 @@ class BenchConfig:
         return tuple(names)
 
     @property
+    def is_model(self) -> bool:
+        """Whether ``engine`` names a trained model."""
+        return self.engine not in BENCH_ENGINES
+
+    def model(self) -> LoadedModel:
+        """The trained model, loaded in this process once.
+
+        Raises:
+            ValueError: If ``engine`` names no trained model.
+            ModelLoadError: If the model cannot be found or loaded.
+            ImportError: Without the ``model`` extra.
+        """
+        if not self.is_model:
+            raise ValueError(f"BenchConfig.engine {self.engine!r} is not a model")
+        return load_model(resolve(self.engine, dtype=self.dtype))
+
+    def with_model_dims(self) -> BenchConfig:
+        """This config with a trained model's layers, KV heads and head
+        size (itself for the other engines), so that the report gives the
+        KV the phases really move.
+
+        Raises:
+            ModelLoadError: If the model cannot be found or loaded.
+            ImportError: Without the ``model`` extra.
+        """
+        if not self.is_model:
+            return self
+        layers, _, kv_heads, head_dim = self.model().layout
+        return dataclasses.replace(
+            self, layers=layers, kv_heads=kv_heads, head_dim=head_dim
+        )
+
+    @property
     def width(self) -> int:
         """``D``: the KV width of one token in one layer."""
         return self.kv_heads * self.head_dim
@@ -252,27 +308,42 @@ class BenchConfig:
             d_model=self.width,
             seed=self.seed,
             dtype=self.dtype,
-            # A decode prompt is the edited prompt plus the prefill's token.
-            max_position=self.prompt_tokens + self.max_tokens,
+            # A decode prompt is the edited prompt plus the prefill's token;
+            # scoring the agreement reads that and max_tokens more.
+            max_position=self.prompt_tokens + self.max_tokens + 1,
         )
 
     def make_engine(
         self, ctx: KVContext, query_ctx: KVContext | None = None
-    ) -> EmbeddedEngine | SyntheticEngine:
+    ) -> EmbeddedEngine | HFEngine | SyntheticEngine:
         """The engine of this config's phases, over ``ctx``.
 
         Args:
             ctx: The run's KV store.
             query_ctx: Its QUERY context, for an edit scored with queries
-                (the embedded engine records them during the prefill).
+                (the toy and trained models record them during the prefill).
 
         Returns:
-            An :class:`EmbeddedEngine`, or a :class:`SyntheticEngine` of the
-            same KV layout.
+            An :class:`HFEngine`, an :class:`EmbeddedEngine`, or a
+            :class:`SyntheticEngine` of the same KV layout.
+
+        Raises:
+            ModelLoadError: If a trained model cannot be found or loaded.
         """
-        if self.engine == "embedded":
+        if self.engine == TOY:
             return EmbeddedEngine(ctx, self.engine_config(), query_ctx=query_ctx)
-        return SyntheticEngine(ctx, self.layers, self.width, self.dtype, self.seed)
+        if self.engine == SYNTHETIC:
+            return SyntheticEngine(ctx, self.layers, self.width, self.dtype, self.seed)
+        return HFEngine.from_pretrained(
+            self.engine, ctx, query_ctx=query_ctx, dtype=self.dtype
+        )
+
+    def attention(self) -> AttentionConfig:
+        """The attention the methods of issue #21 are given: the trained
+        model's heads and RoPE, else the toy model's."""
+        if self.is_model:
+            return self.model().attention
+        return self.engine_config().attention
 
     def edit(self, name: str) -> Edit:
         """Build the named edit with this config's ``keep`` and ``seed``.
@@ -300,21 +371,29 @@ class BenchConfig:
             window = max(1, round(keep * self.prompt_tokens) - _WINDOW_SINKS)
             return make_edit(name, window=window, sinks=_WINDOW_SINKS)
         if name in _METHODS:
-            return make_edit(name, keep=keep, attention=self.engine_config().attention)
+            return make_edit(name, keep=keep, attention=self.attention())
         return make_edit(name)
 
     def prompts(self) -> list[list[int]]:
-        """The streams' prompts: random token ids drawn from ``seed``.
+        """The streams' prompts: prose for a trained model (the eval's
+        documents, a different one first in each stream), else random token
+        ids drawn from ``seed``.
 
-        EOS (id 0) is left out, so that the prompt reads like text.
+        EOS (id 0) is left out of random ids, so that the prompt reads like
+        text.
 
         Returns:
             ``streams`` lists of ``prompt_tokens`` ids.
         """
+        if self.is_model:
+            tokenizer = self.model().tokenizer
+
+            def encode(text: str) -> list[int]:
+                return list(tokenizer(text)["input_ids"])
+
+            return document_tokens(encode, self.streams, self.prompt_tokens)
         vocab = (
-            self.engine_config().vocab_size
-            if self.engine == "embedded"
-            else SYNTHETIC_VOCAB
+            self.engine_config().vocab_size if self.engine == TOY else SYNTHETIC_VOCAB
         )
         rng = np.random.default_rng(self.seed)
         ids = rng.integers(1, vocab, size=(self.streams, self.prompt_tokens))

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lmcache_mp.bench._config import TOY
 from lmcache_mp.edits import AttentionConfig
 from lmcache_mp.engine import EmbeddedEngine, HFEngine
 from lmcache_mp.executors import Preload
@@ -14,8 +15,6 @@ from lmcache_mp.kv import KVContext
 
 __all__ = ["TOY", "EvalEngine", "open_engine"]
 
-#: ``--engine`` for the embedded toy model (random weights).
-TOY = "toy"
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "FILLER",
     "Passkey",
     "document_prompts",
+    "document_tokens",
     "passkey_prompt",
     "passkey_prompts",
 ]
@@ -120,6 +122,37 @@ def document_prompts(count: int) -> list[str]:
         + ("" if i < n else f"\n\n({i // n})")
         for i in range(count)
     ]
+
+
+def document_tokens(
+    encode: Callable[[str], list[int]], count: int, tokens: int
+) -> list[list[int]]:
+    """``count`` prompts of exactly ``tokens`` tokens of prose (the bench's
+    prompts on a trained model).
+
+    Prompt ``i`` runs through :data:`DOCUMENTS` from document ``i`` on,
+    round and round, and is cut at ``tokens``; so prompts differ from their
+    first token and share no cached prefix.
+
+    Args:
+        encode: Text to token ids.
+        count: How many prompts.
+        tokens: Tokens of each (at least 1).
+
+    Returns:
+        The prompts' token ids.
+    """
+    n = len(DOCUMENTS)
+    prompts = []
+    for i in range(count):
+        # The whole text encoded at once: a tokenizer may add special tokens
+        # (BOS) to each text it encodes.
+        text, ids, j = DOCUMENTS[i % n], encode(DOCUMENTS[i % n]), i + 1
+        while len(ids) < tokens:
+            text += "\n\n" + DOCUMENTS[j % n]
+            ids, j = encode(text), j + 1
+        prompts.append(ids[:tokens])
+    return prompts
 
 
 def passkey_prompt(key: int, depth: float, lines: int) -> Passkey:

@@ -194,6 +194,7 @@ def point_figures(
             "phases": phases,
         }
     mismatched = _mismatches(repeats)
+    measured = [r.agreement for runs in repeats for r in runs.values() if r.agreement]
     return {
         "edit": edit,
         "edit_params": _edit_params(config, edit),
@@ -205,6 +206,7 @@ def point_figures(
         ),
         "outputs_agree": mismatched == 0,
         "mismatched_streams": mismatched,
+        "agreement": measured[0] if measured else None,
         "executors": executors,
     }
 

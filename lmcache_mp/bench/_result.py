@@ -158,8 +158,11 @@ def run_bench(
     Raises:
         LMCacheBatchedStreamError: If a phase failed as a whole (streams
             that fail are in the figures: ``failures`` per phase).
+        ModelLoadError: If the config's trained model cannot be loaded.
+        ImportError: Without the ``model`` extra, for a trained model.
     """
     started = time.perf_counter()
+    config = config.with_model_dims()
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     cores = usable_cores()
     result = BenchResult(config, machine_info(config.start_method), [], created)
@@ -172,10 +175,19 @@ def run_bench(
             point_config = at_sweep_value(config, value)
             fn = point_config.edit(edit)
             repeats: list[dict[str, RunFigures]] = []
-            for _ in range(config.repeat):
+            for repeat in range(config.repeat):
                 repeats.append(
                     {
-                        name: run_once(point_config, name, fn, progress=progress)
+                        name: run_once(
+                            point_config,
+                            name,
+                            fn,
+                            progress=progress,
+                            # Once a point: the same edit keeps the same
+                            # tokens on every executor (their decode
+                            # outputs are checked equal).
+                            measure_agreement=repeat == 0 and name == config.runs[0],
+                        )
                         for name in config.runs
                     }
                 )

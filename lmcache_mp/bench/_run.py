@@ -10,6 +10,7 @@ from typing import Any
 
 from lmcache_mp import request
 from lmcache_mp.batch import LMCacheBatchedStream
+from lmcache_mp.bench._agreement import Reference, agreement, greedy_reference
 from lmcache_mp.bench._config import AUTO_UNHINTED, BenchConfig
 from lmcache_mp.bench._engines import executor_for, fresh_store_url
 from lmcache_mp.bench._monitor import PeakMemory, ProgressLine
@@ -77,6 +78,9 @@ class RunFigures:
             (0 for in-process executors).
         phases: Figures per phase name.
         outputs: Each stream's generated token ids, in prompt order.
+        agreement: The edit's agreement with the uncompressed run
+            (:func:`~lmcache_mp.bench._agreement.agreement`), where it was
+            measured.
     """
 
     executor: str
@@ -84,6 +88,7 @@ class RunFigures:
     pool_start_s: float
     phases: dict[str, PhaseFigures] = field(default_factory=dict)
     outputs: list[list[int]] = field(default_factory=list)
+    agreement: dict[str, float] | None = None
 
     @property
     def peak_rss_bytes(self) -> int:
@@ -105,7 +110,12 @@ def _workers(batch: LMCacheBatchedStream, config: BenchConfig) -> int:
 
 
 def run_once(
-    config: BenchConfig, executor: str, edit: Edit, *, progress: bool | None = None
+    config: BenchConfig,
+    executor: str,
+    edit: Edit,
+    *,
+    progress: bool | None = None,
+    measure_agreement: bool = False,
 ) -> RunFigures:
     """Run prefill -> modify -> decode on one executor, on a fresh store.
 
@@ -122,6 +132,12 @@ def run_once(
         edit: The modify fn.
         progress: Draw a progress line on stderr (``None``: when it is a
             TTY; ``False``: never).
+        measure_agreement: Also measure the edit's agreement with the
+            uncompressed run, on an engine that scores (a trained or the
+            toy model): between prefill and modify, each prompt's greedy
+            continuation of ``max_tokens`` is decoded in this process;
+            after modify, it is scored after the edited cache. Neither
+            step is in a phase's time.
 
     Returns:
         The run's figures; a phase in which streams failed has their errors
@@ -146,6 +162,9 @@ def run_once(
         fn = Unhinted(edit)
     try:
         engine = config.make_engine(store, query_ctx)
+        # A trained model loads in each worker as the pool starts, not in
+        # the first phase.
+        load = getattr(engine, "load", None)
         with (
             executor_for(
                 "auto" if executor == AUTO_UNHINTED else executor,
@@ -157,7 +176,7 @@ def run_once(
                 arg,
                 max_workers=config.workers,
                 mp_context=config.start_method,
-                preload=_PRELOAD,
+                preload=_PRELOAD if load is None else (*_PRELOAD, load),
             ) as batch,
         ):
             for prompt in config.prompts():
@@ -171,8 +190,11 @@ def run_once(
             cap: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
             if executor == "serial":
                 cap = limit_blas_while(physical_cores())
+            scorer = engine if measure_agreement and hasattr(engine, "score") else None
             with cap:
-                return _run_phases(config, batch, executor, fn, progress, start_s)
+                return _run_phases(
+                    config, batch, executor, fn, progress, start_s, scorer
+                )
     finally:
         store.destroy()
 
@@ -184,6 +206,7 @@ def _run_phases(
     edit: Any,
     progress: bool | None,
     start_s: float,
+    scorer: Any,
 ) -> RunFigures:
     greedy = {"temperature": 0.0}
     decode_params = {"max_tokens": config.max_tokens, "ignore_eos": True, **greedy}
@@ -194,6 +217,7 @@ def _run_phases(
         "modify": lambda: batch.modify(edit, array="numpy"),
         "decode": lambda: batch.decode(decode_params),
     }
+    reference: Reference | None = None
     with PeakMemory() as memory:
         executor = batch.executor
         pool = executor.process if isinstance(executor, AutoExecutor) else executor
@@ -217,6 +241,14 @@ def _run_phases(
                     metrics = exc.metrics
                     failures = {sid: str(err) for sid, err in exc.failures.items()}
                 wall = time.perf_counter() - begin
+            if scorer is not None and phase == "prefill":
+                with ProgressLine(f"[{name}] reference", enabled=progress):
+                    # Each stream's sequence now: its prompt and first token.
+                    sequences = [list(s.state.tokens) for s in batch.streams.values()]
+                    reference = greedy_reference(scorer, sequences, config.max_tokens)
+            if reference is not None and phase == "modify":
+                with ProgressLine(f"[{name}] agreement", enabled=progress):
+                    run.agreement = agreement(scorer, _contexts(batch), reference)
             report = metrics.to_dict()
             if phase == "modify":
                 per_stream = sum(m.duration for m in batch.modify_metrics.values())
@@ -232,3 +264,8 @@ def _run_phases(
             )
     run.outputs = [list(s.state.output_ids) for s in batch.streams.values()]
     return run
+
+
+def _contexts(batch: LMCacheBatchedStream) -> list[list[int]]:
+    """What each stream sends next: its tokens, then its pending suffix."""
+    return [list(s.state.tokens) + list(s.state.suffix) for s in batch.streams.values()]

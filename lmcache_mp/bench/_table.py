@@ -7,6 +7,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from lmcache_mp.bench._config import SYNTHETIC, TOY
 from lmcache_mp.bench._figures import BASIS_SERIAL
 
 __all__ = ["format_header", "format_point"]
@@ -114,7 +115,7 @@ def format_header(result: dict[str, Any]) -> str:
     ) * (4 if cfg["dtype"] == "float32" else 2)
     shape = cfg.get("shape")
     model = f"{shape} shape" if shape else "model"
-    engine = cfg.get("engine", "embedded")
+    engine = cfg.get("engine", TOY)
     lines = [
         f"lmcache-mp bench: {cfg['streams']} streams x {cfg['prompt_tokens']} "
         f"prompt tokens, decode {cfg['max_tokens']} tokens; {model} "
@@ -135,7 +136,7 @@ def format_header(result: dict[str, Any]) -> str:
             f"references: memcpy {machine['memcpy_gb_s']:.1f} GB/s, pickle "
             f"{machine['pickle_gb_s']:.1f} GB/s (256 MiB, one core, best of 5)"
         )
-    if engine == "synthetic":
+    if engine == SYNTHETIC:
         lines.append(
             "engine: synthetic (a real shape's KV without a model: prefill "
             "gathers each token's KV from a seeded table and stores it, decode "
@@ -276,6 +277,28 @@ def _notes(point: dict[str, Any]) -> list[str]:
     return notes
 
 
+def _agreement(point: dict[str, Any]) -> list[str]:
+    """The edit's agreement with the uncompressed run, where measured."""
+    measured = point.get("agreement")
+    if not measured:
+        return []
+    cfg = point["config"]
+    engine = cfg.get("engine", TOY)
+    model = (
+        "the toy model: random weights, so it says little of a trained one"
+        if engine == TOY
+        else engine
+    )
+    return [
+        f"AGREEMENT with the uncompressed run ({model}): top-1 "
+        f"{measured['top1']:.3f}, KL {measured['kl']:.3f} nats over "
+        f"{measured['positions']:.0f} positions ({cfg['streams']} streams x "
+        f"{cfg['max_tokens']} tokens of its greedy continuation, "
+        "teacher-forced after the edited cache; 1 and 0 would mean the edit "
+        "changed nothing the model predicts)."
+    ]
+
+
 def format_point(point: dict[str, Any]) -> str:
     """Render one point: the edit, the comparison table, the notes.
 
@@ -288,7 +311,7 @@ def format_point(point: dict[str, Any]) -> str:
     table = tabulate(
         _rows(point), headers=_HEADERS, tablefmt="simple", disable_numparse=True
     )
-    notes = _notes(point)
+    notes = [*_agreement(point), *_notes(point)]
     before = _first(point, "modify", "tokens_before")
     if before == _first(point, "modify", "tokens_after"):
         notes.append(

@@ -148,6 +148,11 @@ def resolve(
             f"{name!r} is neither a model alias ({', '.join(ALIASES)}), a "
             f"model directory with a config.json, nor a .gguf file"
         )
+    if gguf_file is not None and dtype_name is None:
+        # transformers dequantizes a GGUF to float32: naming it keeps one
+        # source (one converted copy, one model per process) whether the
+        # dtype is left out or given as float32.
+        dtype_name = "float32"
     return ModelSource(str(path), gguf_file, dtype_name)
 
 
@@ -178,12 +183,38 @@ def load_model(source: ModelSource) -> LoadedModel:
         return _loaded[source]
 
 
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Hide ``transformers``' progress bars while a model loads.
+
+    Every worker loads the model as it starts; their bars, interleaved on
+    stderr, would bury the bench's and the user's output.
+    """
+    from transformers.utils import logging as hf_logging
+
+    logging: Any = hf_logging  # its toggles are untyped
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            logging.enable_progress_bar()
+
+
 def _load(source: ModelSource) -> LoadedModel:
     try:
-        import transformers
+        import transformers  # noqa: F401
     except ImportError as exc:
         raise ImportError(f"HFEngine needs transformers and torch: {_EXTRA}") from exc
     register()
+    with _no_progress_bars():
+        return _load_quietly(source)
+
+
+def _load_quietly(source: ModelSource) -> LoadedModel:
+    import transformers
+
     path = source.path
     if source.gguf_file is not None:
         path = str(_converted(source))
