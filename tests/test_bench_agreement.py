@@ -93,15 +93,10 @@ def test_document_tokens_are_prose_of_the_asked_length() -> None:
 
 @pytest.fixture(scope="module")
 def model_point() -> dict[str, Any]:
-    """The bench's default engine, SmolLM2-135M, at a small size: thread
-    and process on the pyscore edit."""
+    """The bench's default engine, SmolLM2-135M, at a small size, on
+    threads (tests/test_hf_engine.py checks the pool decodes as threads)."""
     config = BenchConfig(
-        executors=("thread", "process"),
-        streams=2,
-        prompt_tokens=96,
-        max_tokens=8,
-        chunk_size=32,
-        workers=2,
+        executors=("thread",), streams=2, prompt_tokens=96, max_tokens=8, chunk_size=32
     )
     result = run_bench(config, progress=False)
     return result.to_dict()["points"][0]
@@ -111,7 +106,7 @@ def test_the_default_engine_is_the_trained_model_with_its_kv_shape(
     model_point: dict[str, Any],
 ) -> None:
     """The run reports SmolLM2-135M's own KV shape (30 layers x 3 KV heads x
-    64, float32), not the toy defaults."""
+    64, float32), not the toy defaults, and prefills every prompt token."""
     cfg = model_point["config"]
     assert cfg["engine"] == "smollm2-135m"
     assert (cfg["layers"], cfg["kv_heads"], cfg["head_dim"], cfg["dtype"]) == (
@@ -120,16 +115,8 @@ def test_the_default_engine_is_the_trained_model_with_its_kv_shape(
         64,
         "float32",
     )
-
-
-def test_the_trained_model_decodes_alike_on_threads_and_processes(
-    model_point: dict[str, Any],
-) -> None:
-    """Greedy decoding after the same edit gives the same tokens on both
-    executors, and every prompt token was prefilled."""
-    assert model_point["outputs_agree"]
-    for ex in model_point["executors"].values():
-        assert ex["phases"]["prefill"]["input_tokens"]["median"] == 2 * 96
+    prefill = model_point["executors"]["thread"]["phases"]["prefill"]
+    assert prefill["input_tokens"]["median"] == 2 * 96
 
 
 def test_the_trained_model_reports_the_edits_agreement(
