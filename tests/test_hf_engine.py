@@ -4,6 +4,7 @@ prefix cache and vLLM's KV layout (issue #19)."""
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import secrets
 from collections.abc import Iterator
@@ -389,27 +390,31 @@ def drop_middle_chunks(
 
 
 def _pool_run(
-    engine: HFEngine, prompts: list[list[int]], fn: Any, salt: str
+    batch: lmc_batch.LMCacheBatchedStream,
+    engine: HFEngine,
+    prompts: list[list[int]],
+    fn: Any,
+    salt: str,
 ) -> list[Any]:
-    """prefill -> modify(fn) -> decode 24 greedy tokens on a 2-worker spawn
-    pool, under its own cache salt (two edits keeping the same tokens would
-    otherwise share their KV); per stream: what it sends next, and its
-    decoded tokens."""
-    with lmc_batch.LMCacheBatchedStream(
-        "process", max_workers=2, preload=[engine.load]
-    ) as batch:
-        streams = [
-            lmc_request.create_request([engine.ctx], engine, p, salt) for p in prompts
-        ]
-        for s in streams:
-            batch.add(s)
-        batch.prefill({"temperature": 0})
+    """prefill -> modify(fn) -> decode 24 greedy tokens on new streams of the
+    batch, under their own cache salt (two edits keeping the same tokens
+    would otherwise share their KV); per stream: what it sends next, and
+    its decoded tokens."""
+    streams = [
+        lmc_request.create_request([engine.ctx], engine, p, salt) for p in prompts
+    ]
+    for s in streams:
+        batch.add(s)
+    ids = [s.request_stream_id for s in streams]
+    batch.prefill({"temperature": 0}, stream_ids=ids)
+    context = [list(s.tokens) + list(s.suffix_tokens) for s in streams]
+    if fn is not None:
+        batch.modify(fn, stream_ids=ids, timeout=10)
         context = [list(s.tokens) + list(s.suffix_tokens) for s in streams]
-        if fn is not None:
-            batch.modify(fn, timeout=10)
-            context = [list(s.tokens) + list(s.suffix_tokens) for s in streams]
-        batch.decode({"temperature": 0, "max_tokens": 24, "ignore_eos": True})
-        return [(c, s.output_tokens[1:]) for c, s in zip(context, streams, strict=True)]
+    batch.decode(
+        {"temperature": 0, "max_tokens": 24, "ignore_eos": True}, stream_ids=ids
+    )
+    return [(c, s.output_tokens[1:]) for c, s in zip(context, streams, strict=True)]
 
 
 def test_upstreams_chunk_drop_with_rerotation_runs_on_the_pool(
@@ -419,18 +424,25 @@ def test_upstreams_chunk_drop_with_rerotation_runs_on_the_pool(
     import functools
 
     ctx = connect(f"shm:///test-hf-{secrets.token_hex(6)}", chunk_size=CHUNK)
-    try:
+    with contextlib.ExitStack() as stack:
+        # The pool closes before the store is destroyed.
+        stack.callback(ctx.destroy)
         engine = engine_over(model_engine, ctx)
         attention = engine.attention
         prompts = [engine.encode(d, chat=False) for d in DOCUMENTS]
-        base = _pool_run(engine, prompts, None, "")
+        # One 2-worker spawn pool for the three runs: it loads the model once.
+        batch = lmc_batch.LMCacheBatchedStream(
+            "process", max_workers=2, preload=[engine.load]
+        )
+        stack.callback(batch.close)
+        base = _pool_run(batch, engine, prompts, None, "")
         agreement, nll = {}, {}
         for rerotate in (True, False):
             fn = functools.partial(
                 drop_middle_chunks, attention=attention, rerotate=rerotate
             )
             salt = f"rerotate={rerotate}"
-            runs = _pool_run(engine, prompts, fn, salt)
+            runs = _pool_run(batch, engine, prompts, fn, salt)
             # Teacher-forced top-1 agreement with the undropped continuation.
             hits = [
                 engine.score(context, ref, salt).argmax(axis=1) == np.asarray(ref)
@@ -468,8 +480,6 @@ def test_upstreams_chunk_drop_with_rerotation_runs_on_the_pool(
             )
         assert nll[True] < 0.5 * random_nll
         assert agreement[True] > agreement[False]
-    finally:
-        ctx.destroy()
 
 
 def test_model_figures_run_the_model_on_the_pool() -> None:
