@@ -132,3 +132,19 @@ def test_the_trained_model_reports_the_edits_agreement(
     assert "AGREEMENT with the uncompressed run (smollm2-135m)" in format_point(
         model_point
     )
+
+
+def test_without_the_model_extra_the_cli_names_the_toy_engine(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``lmcache-mp bench`` on the default model without transformers exits
+    1 with the install hint and the way to run without it."""
+    from lmcache_mp.__main__ import main
+
+    def missing(self: BenchConfig) -> BenchConfig:
+        raise ImportError("HFEngine needs transformers and torch: pip install ...")
+
+    monkeypatch.setattr(BenchConfig, "with_model_dims", missing)
+    assert main(["bench", "--streams=1", "--prompt-tokens=8"]) == 1
+    err = capsys.readouterr().err
+    assert "HFEngine needs transformers" in err and "--engine toy" in err
