@@ -11,16 +11,20 @@ import json
 import ssl
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from lmcache_mp.errors import EngineHTTPError, LMCacheStreamError
 
-__all__ = ["Endpoint", "error_message", "open_stream", "read_lines"]
+__all__ = ["Endpoint", "error_message", "open_stream", "read_lines", "request_json"]
 
 #: Longest SSE line accepted (a first chunk may echo a long prompt's ids).
 MAX_LINE_BYTES = 64 * 1024 * 1024
 #: Most bytes of an error body read for its message.
 _MAX_ERROR_BODY = 64 * 1024
+#: Largest JSON response read (a prompt's top-20 log-probabilities of a
+#: 4,096-token prompt are ~5 MB).
+MAX_JSON_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -253,3 +257,68 @@ def read_lines(
                 f"after {progress()}"
             )
         yield line
+
+
+def request_json(
+    endpoint: Endpoint,
+    method: str,
+    route: str,
+    body: bytes | None,
+    headers: Mapping[str, str],
+    *,
+    connect_timeout: float,
+    read_timeout: float,
+) -> Any:
+    """Send one request and return its parsed JSON response.
+
+    Args:
+        endpoint: The server.
+        method: ``"GET"`` or ``"POST"``.
+        route: The path, e.g. ``"/v1/completions"``.
+        body: The JSON request body, or ``None``.
+        headers: Request headers.
+        connect_timeout: Seconds to wait for the connection.
+        read_timeout: Seconds to wait for each read of the response.
+
+    Returns:
+        The parsed JSON document.
+
+    Raises:
+        EngineHTTPError: If the server answers with an HTTP error (the
+            message gives the status and the server's own message).
+        LMCacheStreamError: If the server cannot be reached, times out, or
+            answers with something other than JSON.
+    """
+    url = endpoint.url(route)
+    conn = _connect(endpoint, connect_timeout, read_timeout)
+    try:
+        conn.request(method, endpoint.prefix + route, body=body, headers=dict(headers))
+        resp = conn.getresponse()
+        if resp.status >= 400:
+            message = error_message(resp.read(_MAX_ERROR_BODY))
+            raise EngineHTTPError(
+                f"{method} {url} failed: HTTP {resp.status} {resp.reason}: {message}",
+                status=resp.status,
+                server_message=message,
+            )
+        raw = resp.read(MAX_JSON_BYTES + 1)
+    except TimeoutError as exc:
+        raise LMCacheStreamError(
+            f"{method} {url}: no response within {read_timeout:g}s (read timeout)"
+        ) from exc
+    except (OSError, http.client.HTTPException) as exc:
+        raise LMCacheStreamError(
+            f"{method} {url} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    finally:
+        conn.close()
+    if len(raw) > MAX_JSON_BYTES:
+        raise LMCacheStreamError(
+            f"{method} {url}: the response exceeds {MAX_JSON_BYTES} bytes"
+        )
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise LMCacheStreamError(
+            f"{method} {url}: the response is not JSON ({exc}): {raw[:200]!r}"
+        ) from exc

@@ -32,14 +32,29 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lmcache_mp.engine.http._chunks import ChunkDecoder
-from lmcache_mp.engine.http._client import Endpoint, open_stream, read_lines
+import numpy as np
+import numpy.typing as npt
+
+from lmcache_mp.engine.http._chunks import ChunkDecoder, is_int
+from lmcache_mp.engine.http._client import (
+    Endpoint,
+    open_stream,
+    read_lines,
+    request_json,
+)
+from lmcache_mp.engine.http._logprobs import (
+    SCORE_SOURCES,
+    ScoreSource,
+    dense_row,
+    read_rows,
+    score_fields,
+)
 from lmcache_mp.engine.http._sse import DONE, iter_events
 from lmcache_mp.errors import LMCacheStreamError, SamplingParamsError, StreamInputError
 from lmcache_mp.hints import releases_gil
 from lmcache_mp.stream import TokenEvent
 
-__all__ = ["OpenAICompletions", "TokenIdSource", "post_completion"]
+__all__ = ["OpenAICompletions", "ScoreSource", "TokenIdSource", "post_completion"]
 
 #: How the client asks the server for the generated token ids.
 TokenIdSource = Literal["return_token_ids", "logprobs"]
@@ -70,6 +85,13 @@ class OpenAICompletions:
     extra_body: Mapping[str, Any] | None = field(default=None, hash=False)
     token_ids: TokenIdSource = "return_token_ids"
     continuous_usage: bool = True
+    vocab_size: int | None = None
+    scoring: ScoreSource = "prompt_logprobs"
+    top_logprobs: int = 20
+    #: The served model's vocabulary size, once asked (``vocab_size=None``).
+    _served_vocab: int | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         Endpoint.parse(self.base_url)
@@ -85,6 +107,14 @@ class OpenAICompletions:
             raise ValueError(
                 f"token_ids is {self.token_ids!r}, expected one of {_SOURCES}"
             )
+        if self.scoring not in SCORE_SOURCES:
+            raise ValueError(
+                f"scoring is {self.scoring!r}, expected one of {SCORE_SOURCES}"
+            )
+        for name in ("vocab_size", "top_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.extra_body is not None:
             if not isinstance(self.extra_body, Mapping):
                 kind = type(self.extra_body).__name__
@@ -140,18 +170,7 @@ class OpenAICompletions:
                 f"sampling param 'n' is {sampling_params['n']!r}; a stream takes "
                 "one completion, expected 1"
             )
-        prompt: list[int] = []
-        for i, tok in enumerate(prompt_token_ids):
-            try:
-                # Accepts numpy ints, rejects floats and strings.
-                value: int | None = operator.index(tok)
-            except TypeError:
-                value = None
-            if value is None or isinstance(tok, bool) or value < 0:
-                raise StreamInputError(
-                    f"prompt token {i} is {tok!r}, expected an int token id >= 0"
-                )
-            prompt.append(value)
+        prompt = _token_ids(prompt_token_ids, "prompt")
         body: dict[str, Any] = dict(self.extra_body or {})
         body.update(sampling_params)
         body.update(model=self.model, prompt=prompt, stream=True)
@@ -208,6 +227,120 @@ class OpenAICompletions:
             ) from exc
         return self._stream(payload)
 
+    def score(
+        self,
+        prompt: Sequence[int],
+        continuation: Sequence[int],
+        cache_salt: str = "",
+    ) -> npt.NDArray[np.float32]:
+        """Teacher-force ``continuation`` after ``prompt`` on the server: the
+        log-probabilities at each of its tokens, in one request.
+
+        The contract of :meth:`HFEngine.score
+        <lmcache_mp.engine.HFEngine.score>`, so that ``lmcache-mp eval``
+        scores through a server (issue #21). One non-streaming
+        ``POST /v1/completions`` of ``prompt + continuation`` asks for the
+        prompt's log-probabilities as ``scoring`` says: vLLM's
+        ``prompt_logprobs`` (with ``max_tokens: 1``) or the legacy ``echo``
+        with ``logprobs`` and ``return_tokens_as_token_ids`` (with
+        ``max_tokens: 0``); ``top_logprobs`` tokens per position, and
+        ``cache_salt`` as vLLM's ``cache_salt`` field.
+
+        A server lists only its top tokens per position (vLLM at most its
+        ``--max-logprobs``, 20 by default). Each row keeps the listed
+        tokens' log-probabilities and spreads the mass they leave evenly
+        over the other tokens: the argmax, hence top-1 agreement, is the
+        server's exactly; a KL divergence between such rows is an
+        approximation, neither a bound above nor below in general. It
+        overstates where one row's likely tokens fall outside the other's
+        listed ones (they get the even share, below their true
+        probability), and understates within the unlisted tails, whose
+        differences the flattening hides (on the toy model at 20 listed
+        tokens of 512 it comes out above the exact KL: see
+        ``tests/test_server_score.py``).
+
+        Which KV the scores see is the server's business: ``lmcache-mp
+        serve`` reuses the prompt's cached prefix (edited or not) as its
+        engine's ``score`` does. vLLM skips its prefix cache for a request
+        with prompt log-probabilities (``skip_reading_prefix_cache``, PRs
+        #17251 and #28194) and recomputes the prompt, so there the scores
+        are those of the unedited prompt.
+
+        Args:
+            prompt: The context, as a stream would send it next.
+            continuation: The tokens to score (at least one).
+            cache_salt: Sent as ``cache_salt`` when non-empty.
+
+        Returns:
+            ``[len(continuation), vocab_size]`` float32 log-probabilities;
+            row ``i`` is the distribution ``continuation[i]`` was drawn
+            from.
+
+        Raises:
+            StreamInputError: If ``prompt`` or ``continuation`` is empty or
+                holds something other than token ids.
+            EngineHTTPError: If the server answers with an HTTP error.
+            LMCacheStreamError: If the server cannot be reached or times
+                out, its answer lacks the log-probabilities of a
+                continuation position, lists a token outside the
+                vocabulary, or the vocabulary size is unknown (not given,
+                and not in the server's ``GET /v1/models``).
+        """
+        whole = _token_ids([*prompt, *continuation], "score")
+        if not prompt or not continuation:
+            raise StreamInputError(
+                "score needs a non-empty prompt and continuation, got "
+                f"{len(prompt)} and {len(continuation)} tokens"
+            )
+        vocab = self._vocab()
+        body: dict[str, Any] = dict(self.extra_body or {})
+        body.update(model=self.model, prompt=whole, stream=False, temperature=0)
+        body.pop("stream_options", None)  # only allowed with stream
+        body.update(score_fields(self.scoring, self.top_logprobs))
+        if cache_salt:
+            body["cache_salt"] = cache_salt
+        doc = self._request("POST", _ROUTE, json.dumps(body).encode())
+        rows = read_rows(doc, self.scoring, len(prompt), len(continuation), self.url)
+        return np.stack([dense_row(row, vocab, self.url) for row in rows])
+
+    def _vocab(self) -> int:
+        """The vocabulary size: given, or the served model's (asked once)."""
+        if self.vocab_size is not None:
+            return self.vocab_size
+        if self._served_vocab is None:
+            doc = self._request("GET", "/v1/models", None)
+            cards = doc.get("data") if isinstance(doc, dict) else None
+            card = next(
+                (
+                    c
+                    for c in cards or ()
+                    if isinstance(c, dict) and c.get("id") == self.model
+                ),
+                {},
+            )
+            size: Any = card.get("vocab_size")
+            if not is_int(size) or size < 1:
+                raise LMCacheStreamError(
+                    f"GET {Endpoint.parse(self.base_url).url('/v1/models')}: the "
+                    f"server does not report the vocabulary size of {self.model!r} "
+                    "(vLLM does not); pass vocab_size="
+                )
+            object.__setattr__(self, "_served_vocab", size)
+        assert self._served_vocab is not None
+        return self._served_vocab
+
+    def _request(self, method: str, route: str, payload: bytes | None) -> Any:
+        headers = {**self._headers(), "Accept": "application/json"}
+        return request_json(
+            Endpoint.parse(self.base_url),
+            method,
+            route,
+            payload,
+            headers,
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.timeout,
+        )
+
     def _headers(self) -> dict[str, str]:
         headers = {
             "Content-Type": "application/json",
@@ -251,6 +384,23 @@ class OpenAICompletions:
             conn.close()
 
 
+def _token_ids(tokens: Sequence[int], what: str) -> list[int]:
+    """The ids as Python ints, or a :class:`StreamInputError` naming one."""
+    ids: list[int] = []
+    for i, tok in enumerate(tokens):
+        try:
+            # Accepts numpy ints, rejects floats and strings.
+            value: int | None = operator.index(tok)
+        except TypeError:
+            value = None
+        if value is None or isinstance(tok, bool) or value < 0:
+            raise StreamInputError(
+                f"{what} token {i} is {tok!r}, expected an int token id >= 0"
+            )
+        ids.append(value)
+    return ids
+
+
 def _drain(
     conn: http.client.HTTPConnection, resp: http.client.HTTPResponse, timeout: float
 ) -> None:
@@ -278,6 +428,9 @@ def post_completion(
     extra_body: Mapping[str, Any] | None = None,
     token_ids: TokenIdSource = "return_token_ids",
     continuous_usage: bool = True,
+    vocab_size: int | None = None,
+    scoring: ScoreSource = "prompt_logprobs",
+    top_logprobs: int = 20,
 ) -> OpenAICompletions:
     """Return a ``post_completion`` callable for an OpenAI-compatible server.
 
@@ -302,6 +455,17 @@ def post_completion(
         continuous_usage: Ask for usage in every chunk
             (``stream_options.continuous_usage_stats``), so that
             ``cached_tokens`` is known from the first token on.
+        vocab_size: The served model's vocabulary size, the width of
+            :meth:`~OpenAICompletions.score`'s rows; ``None`` asks the
+            server's ``GET /v1/models`` (``lmcache-mp serve`` reports it,
+            vLLM does not).
+        scoring: How :meth:`~OpenAICompletions.score` asks for the prompt's
+            log-probabilities: ``"prompt_logprobs"`` (vLLM >= 0.5.5 and
+            ``lmcache-mp serve``) or ``"echo"`` (``echo`` + ``logprobs``
+            with ``return_tokens_as_token_ids``: vLLM >= 0.5 and
+            ``lmcache-mp serve``).
+        top_logprobs: Tokens listed per position when scoring (vLLM's
+            ``--max-logprobs`` caps it, 20 by default).
 
     Returns:
         A picklable callable ``(prompt_token_ids, sampling_params,
@@ -309,7 +473,8 @@ def post_completion(
 
     Raises:
         ValueError: If an argument is invalid (bad URL, non-positive
-            timeout, unknown ``token_ids``).
+            timeout, unknown ``token_ids`` or ``scoring``, a vocabulary
+            size or ``top_logprobs`` below 1).
     """
     return OpenAICompletions(
         base_url=base_url,
@@ -320,4 +485,7 @@ def post_completion(
         extra_body=extra_body,
         token_ids=token_ids,
         continuous_usage=continuous_usage,
+        vocab_size=vocab_size,
+        scoring=scoring,
+        top_logprobs=top_logprobs,
     )
