@@ -16,7 +16,15 @@ from urllib.parse import urlsplit
 
 from lmcache_mp.errors import EngineHTTPError, LMCacheStreamError
 
-__all__ = ["Endpoint", "error_message", "open_stream", "read_lines", "request_json"]
+__all__ = [
+    "Endpoint",
+    "client_headers",
+    "error_message",
+    "open_stream",
+    "read_lines",
+    "request_json",
+    "served_models",
+]
 
 #: Longest SSE line accepted (a first chunk may echo a long prompt's ids).
 MAX_LINE_BYTES = 64 * 1024 * 1024
@@ -322,3 +330,53 @@ def request_json(
         raise LMCacheStreamError(
             f"{method} {url}: the response is not JSON ({exc}): {raw[:200]!r}"
         ) from exc
+
+
+def client_headers(api_key: str | None, accept: str) -> dict[str, str]:
+    """The request headers of the client (``Authorization`` with a key)."""
+    out = {
+        "Content-Type": "application/json",
+        "Accept": accept,
+        "User-Agent": "lmcache-mp",
+    }
+    if api_key:
+        out["Authorization"] = f"Bearer {api_key}"
+    return out
+
+
+def served_models(
+    base_url: str, *, timeout: float = 10.0, api_key: str | None = None
+) -> list[dict[str, Any]]:
+    """Return the model cards of ``GET {base_url}/v1/models``.
+
+    Args:
+        base_url: The server's root URL.
+        timeout: Seconds to wait for the connection and the answer.
+        api_key: Sent as ``Authorization: Bearer <api_key>`` when given.
+
+    Returns:
+        The cards (``id``, ``max_model_len``; ``lmcache-mp serve`` adds
+        ``vocab_size``, ``chunk_size`` and a shared store's ``kv_store``).
+
+    Raises:
+        ValueError: For a bad URL.
+        EngineHTTPError: If the server answers with an HTTP error.
+        LMCacheStreamError: If it cannot be reached, or answers no list.
+    """
+    endpoint = Endpoint.parse(base_url)
+    doc = request_json(
+        endpoint,
+        "GET",
+        "/v1/models",
+        None,
+        client_headers(api_key, "application/json"),
+        connect_timeout=timeout,
+        read_timeout=timeout,
+    )
+    cards = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(cards, list):
+        raise LMCacheStreamError(
+            f"GET {endpoint.url('/v1/models')}: 'data' is {str(cards)[:100]}, "
+            "expected a list of models"
+        )
+    return [c for c in cards if isinstance(c, dict)]

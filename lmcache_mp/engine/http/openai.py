@@ -38,9 +38,11 @@ import numpy.typing as npt
 from lmcache_mp.engine.http._chunks import ChunkDecoder, is_int
 from lmcache_mp.engine.http._client import (
     Endpoint,
+    client_headers,
     open_stream,
     read_lines,
     request_json,
+    served_models,
 )
 from lmcache_mp.engine.http._logprobs import (
     SCORE_SOURCES,
@@ -54,7 +56,13 @@ from lmcache_mp.errors import LMCacheStreamError, SamplingParamsError, StreamInp
 from lmcache_mp.hints import releases_gil
 from lmcache_mp.stream import TokenEvent
 
-__all__ = ["OpenAICompletions", "ScoreSource", "TokenIdSource", "post_completion"]
+__all__ = [
+    "OpenAICompletions",
+    "ScoreSource",
+    "TokenIdSource",
+    "post_completion",
+    "served_models",
+]
 
 #: How the client asks the server for the generated token ids.
 TokenIdSource = Literal["return_token_ids", "logprobs"]
@@ -308,48 +316,33 @@ class OpenAICompletions:
         if self.vocab_size is not None:
             return self.vocab_size
         if self._served_vocab is None:
-            doc = self._request("GET", "/v1/models", None)
-            cards = doc.get("data") if isinstance(doc, dict) else None
-            card = next(
-                (
-                    c
-                    for c in cards or ()
-                    if isinstance(c, dict) and c.get("id") == self.model
-                ),
-                {},
+            cards = served_models(
+                self.base_url, timeout=self.connect_timeout, api_key=self.api_key
             )
+            card = next((c for c in cards if c.get("id") == self.model), {})
             size: Any = card.get("vocab_size")
             if not is_int(size) or size < 1:
                 raise LMCacheStreamError(
-                    f"GET {Endpoint.parse(self.base_url).url('/v1/models')}: the "
-                    f"server does not report the vocabulary size of {self.model!r} "
-                    "(vLLM does not); pass vocab_size="
+                    f"{self.base_url}: the server does not report the vocabulary "
+                    f"size of {self.model!r} (vLLM does not); pass vocab_size="
                 )
             object.__setattr__(self, "_served_vocab", size)
         assert self._served_vocab is not None
         return self._served_vocab
 
     def _request(self, method: str, route: str, payload: bytes | None) -> Any:
-        headers = {**self._headers(), "Accept": "application/json"}
         return request_json(
             Endpoint.parse(self.base_url),
             method,
             route,
             payload,
-            headers,
+            client_headers(self.api_key, "application/json"),
             connect_timeout=self.connect_timeout,
             read_timeout=self.timeout,
         )
 
     def _headers(self) -> dict[str, str]:
-        headers = {
-            "Content-Type": "application/json",
-            "Accept": "text/event-stream",
-            "User-Agent": "lmcache-mp",
-        }
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        return headers
+        return client_headers(self.api_key, "text/event-stream")
 
     def _stream(self, payload: bytes) -> Iterator[TokenEvent]:
         """Send the request and translate its events into token events."""

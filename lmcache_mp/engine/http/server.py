@@ -48,7 +48,7 @@ from lmcache_mp.engine.http._handler import HTTPServer
 from lmcache_mp.engine.http._served import ServedEngine, served_vocab
 from lmcache_mp.engine.http._server import logger
 from lmcache_mp.errors import LMCacheError
-from lmcache_mp.kv import DEFAULT_CHUNK_SIZE, KVStore, connect
+from lmcache_mp.kv import DEFAULT_CHUNK_SIZE, KVStore, SharedMemoryKVStore, connect
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -164,11 +164,21 @@ class EngineServer:
                     "created": self._created,
                     "owned_by": "lmcache-mp",
                     "max_model_len": self.vocab.max_model_len,
-                    # Not in vLLM's card: lets a scoring client size its rows.
+                    # Not in vLLM's card: lets a scoring client size its rows,
+                    # and one that shares the store check it (issue #21).
                     "vocab_size": self.vocab.size,
+                    **self._store_card(),
                 }
             ],
         }
+
+    def _store_card(self) -> dict[str, Any]:
+        """The store's chunk size, and its URL where it holds no secret."""
+        ctx = self.engine.ctx
+        card: dict[str, Any] = {"chunk_size": ctx.chunk_size}
+        if isinstance(ctx, SharedMemoryKVStore):
+            card["kv_store"] = ctx.url
+        return card
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the server has been shut down.
