@@ -26,7 +26,7 @@ import numpy.typing as npt
 from lmcache_mp import request
 from lmcache_mp.batch import LMCacheBatchedStream
 from lmcache_mp.bench._eval_config import EvalConfig
-from lmcache_mp.bench._eval_engine import EvalEngine, open_engine
+from lmcache_mp.bench._eval_engine import EvalEngine, open_engine, served_engine
 from lmcache_mp.bench._eval_prompts import (
     Passkey,
     document_prompts,
@@ -263,7 +263,7 @@ def evaluate(config: EvalConfig | None = None, **overrides: Any) -> EvalResult:
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     begin = time.perf_counter()
     store = connect(
-        f"shm:///lmcache-mp-eval-{secrets.token_hex(6)}",
+        config.store or f"shm:///lmcache-mp-eval-{secrets.token_hex(6)}",
         chunk_size=config.chunk_size,
     )
     contexts = [store]
@@ -273,6 +273,8 @@ def evaluate(config: EvalConfig | None = None, **overrides: Any) -> EvalResult:
         model = open_engine(
             config.engine, store, contexts[1] if config.needs_queries else None
         )
+        if config.server is not None:
+            model = served_engine(model, config.server, store)
         with (
             LMCacheBatchedStream(
                 config.executor, max_workers=config.workers, preload=model.preload
@@ -293,5 +295,8 @@ def evaluate(config: EvalConfig | None = None, **overrides: Any) -> EvalResult:
     finally:
         for ctx in contexts[1:]:
             ctx.close()
-        store.destroy()
+        if config.store is None:
+            store.destroy()
+        else:
+            store.close()
     return EvalResult(config, rows, tokens, time.perf_counter() - begin, created)
