@@ -64,6 +64,8 @@ class CompletionRequest:
         logprobs: With ``echo``, top tokens listed per echoed prompt token.
         tokens_as_ids: Name tokens ``"token_id:<id>"`` in ``logprobs``.
         echo_only: ``echo`` with ``max_tokens`` 0: generate nothing.
+        score_from: lmcache-mp's ``prompt_logprobs_from``: the first
+            position to score, the context before it (vLLM ignores it).
     """
 
     prompt: list[int]
@@ -79,6 +81,7 @@ class CompletionRequest:
     logprobs: int | None = None
     tokens_as_ids: bool = False
     echo_only: bool = False
+    score_from: int | None = None
 
     @property
     def scores(self) -> bool:
@@ -226,6 +229,17 @@ def parse_request(
         {k: v for k, v in doc.items() if k != "max_tokens"} if echo_only else doc
     )
     scored = scoring["echo"] or scoring["prompt_logprobs"] is not None
+    score_from = doc.get("prompt_logprobs_from")
+    if score_from is not None and (
+        isinstance(score_from, bool)
+        or not isinstance(score_from, int)
+        or not 1 <= score_from <= len(prompt)
+    ):
+        raise _bad(
+            f"prompt_logprobs_from is {score_from!r}, expected an int in "
+            f"[1, {len(prompt)}] (the prompt's length)",
+            "prompt_logprobs_from",
+        )
     if scored and not echo_only and params.max_tokens > 1:
         # A scored prompt is not stored (as the engines' score): only the
         # distribution right after it is at hand.
@@ -261,6 +275,7 @@ def parse_request(
         return_token_ids=_flag(doc, "return_token_ids"),
         cache_salt=salt or "",
         echo_only=echo_only,
+        score_from=score_from,
         **scoring,
     )
 

@@ -156,8 +156,12 @@ class _Handler(JSONRequestHandler):
         distribution after the prompt (issue #21)."""
         vocab, prompt = self.app.vocab, request.prompt
         with _engine_errors("scoring"):
-            first, rows = score_prompt(
-                self.app.engine, prompt, request.cache_salt, request.generates > 0
+            first, reused, rows = score_prompt(
+                self.app.engine,
+                prompt,
+                request.cache_salt,
+                request.generates > 0,
+                request.score_from,
             )
         ids = []
         if request.generates:
@@ -184,7 +188,7 @@ class _Handler(JSONRequestHandler):
                 )
         builder = ResponseBuilder(request, self.app.model_name)
         reason = _finish_reason(len(ids), request) or "stop"
-        final = usage(len(prompt), len(ids), first - 1)
+        final = usage(len(prompt), len(ids), reused)
         self.send_json(200, builder.response(text, ids, reason, final, fields))
 
     def _respond(self, request: CompletionRequest, gen: _Generation) -> None:

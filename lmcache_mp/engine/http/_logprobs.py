@@ -148,26 +148,31 @@ def echo_logprobs(
     }
 
 
-def score_fields(source: str, k: int) -> dict[str, Any]:
+def score_fields(source: str, k: int, start: int) -> dict[str, Any]:
     """The request fields that ask for the prompt's log-probabilities.
 
     Args:
         source: ``"prompt_logprobs"`` or ``"echo"``.
         k: Top tokens per position.
+        start: The first position scored (the context's length).
 
     Returns:
         The fields: ``prompt_logprobs`` with one generated token (vLLM
         refuses ``max_tokens: 0`` without ``echo``), or ``echo`` with
-        ``logprobs``, ``return_tokens_as_token_ids`` and no generated token.
+        ``logprobs``, ``return_tokens_as_token_ids`` and no generated token;
+        and ``prompt_logprobs_from``, which ``lmcache-mp serve`` reads as
+        where the context ends (it scores as the engine's ``score`` of
+        context and continuation: the context's cached prefix reused, its
+        last token computed) and vLLM ignores.
     """
+    fields: dict[str, Any] = {"prompt_logprobs_from": start}
     if source == "prompt_logprobs":
-        return {"prompt_logprobs": k, "max_tokens": 1}
-    return {
-        "echo": True,
-        "logprobs": k,
-        "return_tokens_as_token_ids": True,
-        "max_tokens": 0,
-    }
+        fields.update(prompt_logprobs=k, max_tokens=1)
+    else:
+        fields.update(
+            echo=True, logprobs=k, return_tokens_as_token_ids=True, max_tokens=0
+        )
+    return fields
 
 
 def _logprob(value: Any) -> float | None:

@@ -110,14 +110,18 @@ def served_vocab(engine: EmbeddedEngine | HFEngine) -> ServedVocab:
 
 
 def score_prompt(
-    engine: ServedEngine, prompt: list[int], salt: str, next_token: bool
-) -> tuple[int, npt.NDArray[np.float32]]:
+    engine: ServedEngine,
+    prompt: list[int],
+    salt: str,
+    next_token: bool,
+    start: int | None = None,
+) -> tuple[int, int, npt.NDArray[np.float32]]:
     """The log-probabilities of a prompt's tokens, over its cached prefix.
 
-    As the engine's ``score`` (and its decode) reuse it: the longest cached
-    prefix of the prompt (edited or not) is read, not recomputed, so the
-    positions it covers have no logits; the rest are computed in one
-    forward pass, and nothing is stored.
+    ``engine.score(prompt[:start], prompt[start:])``: the cached prefix of
+    ``prompt[:start]`` (edited or not) is read, not recomputed, except
+    ``prompt[start - 1]``, which is computed as a decode computes a prompt's
+    last token; positions before ``start`` get no row; nothing is stored.
 
     Args:
         engine: The engine.
@@ -125,19 +129,26 @@ def score_prompt(
         salt: The cache salt.
         next_token: Add the distribution after the prompt (a generated
             token's) as the last row.
+        start: The first position to score, where the client says where
+            its context ends (``prompt_logprobs_from``); ``None`` scores
+            from the end of the prompt's cached prefix (at least 1: nothing
+            predicts the first token).
 
     Returns:
-        The first position with a row (at least 1: nothing predicts the
-        first token) and the rows of ``prompt[first:]`` (then the next
-        token's).
+        ``start``, the prompt tokens whose KV came from the cache, and the
+        rows of ``prompt[start:]`` (then the next token's).
     """
-    cached = engine.ctx.retrieve(prompt, salt)
-    stored = 0 if cached is None else int(cached.shape[2])
-    # The last prompt token is always computed, as the engines do.
-    first = max(1, min(stored, len(prompt) - 1))
+    if start is None:
+        cached = engine.ctx.retrieve(prompt, salt)
+        stored = 0 if cached is None else int(cached.shape[2])
+        start = max(1, min(stored, len(prompt) - 1))
+    else:
+        cached = engine.ctx.retrieve(prompt[:start], salt)
+        stored = 0 if cached is None else int(cached.shape[2])
+    reused = min(stored, start - 1)
     # Any id stands in for the token after the prompt: only the row
     # predicting it is kept, and it does not depend on it.
-    tail = prompt[first:] + ([0] if next_token else [])
+    tail = prompt[start:] + ([0] if next_token else [])
     if not tail:
-        return first, np.zeros((0, 0), dtype=np.float32)
-    return first, engine.score(prompt[:first], tail, salt)
+        return start, reused, np.zeros((0, 0), dtype=np.float32)
+    return start, reused, engine.score(prompt[:start], tail, salt)

@@ -267,11 +267,13 @@ class OpenAICompletions:
         tokens of 512 it comes out above the exact KL: see
         ``tests/test_server_score.py``).
 
-        Which KV the scores see is the server's business: ``lmcache-mp
-        serve`` reuses the prompt's cached prefix (edited or not) as its
-        engine's ``score`` does. vLLM skips its prefix cache for a request
-        with prompt log-probabilities (``skip_reading_prefix_cache``, PRs
-        #17251 and #28194) and recomputes the prompt, so there the scores
+        Which KV the scores see is the server's business. The request says
+        where the context ends (``prompt_logprobs_from``, an lmcache-mp
+        extension that vLLM ignores): ``lmcache-mp serve`` then scores as
+        its engine's ``score(prompt, continuation)``, over the context's
+        cached prefix (edited or not). vLLM skips its prefix cache for a
+        request with prompt log-probabilities (``skip_reading_prefix_cache``,
+        PRs #17251 and #28194) and recomputes the prompt: there the scores
         are those of the unedited prompt.
 
         Args:
@@ -304,7 +306,7 @@ class OpenAICompletions:
         body: dict[str, Any] = dict(self.extra_body or {})
         body.update(model=self.model, prompt=whole, stream=False, temperature=0)
         body.pop("stream_options", None)  # only allowed with stream
-        body.update(score_fields(self.scoring, self.top_logprobs))
+        body.update(score_fields(self.scoring, self.top_logprobs, len(prompt)))
         if cache_salt:
             body["cache_salt"] = cache_salt
         doc = self._request("POST", _ROUTE, json.dumps(body).encode())

@@ -14,9 +14,12 @@ The prompt's log-probabilities (issue #21), as vLLM answers them:
 to ``--max-logprobs`` (20, vLLM's default), not streamed. They are the
 engine's ``score`` over the prompt's cached prefix (edited or not), as its
 decode would read it: positions whose KV came from the cache were never
-computed and are ``null``; nothing is stored, and at most one token is
-generated, sampled from the distribution after the prompt. (vLLM instead
-skips its cache for such a request and computes every position.)
+computed and are ``null``. ``prompt_logprobs_from: N`` (an extension)
+says the context ends at ``N``: the answer is then exactly
+``engine.score(prompt[:N], prompt[N:])``, rows from ``N`` on. Nothing is
+stored, and at most one token is generated, sampled from the distribution
+after the prompt. (vLLM instead skips its cache for such a request and
+computes every position.)
 
 With ``--store shm:///NAME`` the server's engine reads and writes the named
 shared-memory KV store, so that a batch opened on the same store sees the
