@@ -18,7 +18,7 @@ from lmcache_mp.bench._eval import kl_divergence
 from lmcache_mp.engine import EmbeddedEngine, EngineConfig
 from lmcache_mp.engine.http._logprobs import read_rows
 from lmcache_mp.engine.http.openai import OpenAICompletions, post_completion
-from lmcache_mp.engine.http.server import EngineServer, serve
+from lmcache_mp.engine.http.server import EngineServer, cli, serve
 from lmcache_mp.errors import EngineHTTPError, LMCacheStreamError, StreamInputError
 from lmcache_mp.kv import KVStore, connect
 from tests.test_server import raw_request
@@ -304,3 +304,36 @@ def test_echo_without_ids_names_tokens_by_their_text(server: EngineServer) -> No
     assert choice["text"] == "".join(pieces)
     assert choice["logprobs"]["tokens"] == pieces
     assert pieces[1] in choice["logprobs"]["top_logprobs"][1]
+
+
+# -- a trained model behind serve ------------------------------------------------------
+
+
+def test_serve_model_scores_as_the_trained_model() -> None:
+    """serve(model="smollm2-135m") runs HFEngine: its card gives the vocabulary, and a score through it has the local engine's argmax (the greedy reply) and top-20 log-probabilities."""
+    pytest.importorskip("transformers")
+    from lmcache_mp.engine import HFEngine
+
+    with serve(port=0, model="smollm2-135m", chunk_size=CHUNK) as srv:
+        assert srv.models()["data"][0]["vocab_size"] == 49152
+        local_ctx = connect(chunk_size=CHUNK)
+        try:
+            local = HFEngine(srv.engine.source, local_ctx)  # type: ignore[attr-defined]
+            prompt = local.encode("The river runs past the old mill and", chat=False)
+            reply = [e.token_id for e in local(prompt, GREEDY)]
+            want = local.score(prompt, reply)
+            got = post_completion(srv.url, srv.model_name, scoring="echo").score(
+                prompt, reply
+            )
+        finally:
+            local_ctx.destroy()
+    assert got.argmax(axis=1).tolist() == reply
+    np.testing.assert_allclose(got, spread_top(want, reply, 20), atol=1e-4)
+
+
+def test_serve_cli_reports_a_model_it_cannot_load(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """lmcache-mp serve --model with no model there exits 1 naming the path."""
+    assert cli(["--port", "0", "--model", "/nonexistent/model"]) == 1
+    assert "/nonexistent/model" in capsys.readouterr().err
