@@ -4,8 +4,8 @@
 ``lmcache-mp eval`` measures what the edits keep of a model's output
 (:func:`lmcache_mp.bench.evaluate`);
 ``lmcache-mp serve`` runs the embedded toy engine, or a trained model
-(``--model``), behind an OpenAI-compatible HTTP server (see :mod:`lmcache_mp.engine.http.server`). Also runnable as
-``python -m lmcache_mp``.
+(``--model``), behind an OpenAI-compatible HTTP server (see
+:mod:`lmcache_mp.engine.http.server`). Also runnable as ``python -m lmcache_mp``.
 """
 
 from __future__ import annotations
