@@ -160,6 +160,28 @@ def _connect(
     return conn
 
 
+def _send(
+    conn: http.client.HTTPConnection,
+    endpoint: Endpoint,
+    method: str,
+    route: str,
+    body: bytes | None,
+    headers: Mapping[str, str],
+) -> http.client.HTTPResponse:
+    """Send a request; return its response, or raise for an HTTP error."""
+    conn.request(method, endpoint.prefix + route, body=body, headers=dict(headers))
+    resp = conn.getresponse()
+    if resp.status >= 400:
+        message = error_message(resp.read(_MAX_ERROR_BODY))
+        raise EngineHTTPError(
+            f"{method} {endpoint.url(route)} failed: HTTP {resp.status} "
+            f"{resp.reason}: {message}",
+            status=resp.status,
+            server_message=message,
+        )
+    return resp
+
+
 def open_stream(
     endpoint: Endpoint,
     route: str,
@@ -192,15 +214,7 @@ def open_stream(
     url = endpoint.url(route)
     conn = _connect(endpoint, connect_timeout, read_timeout)
     try:
-        conn.request("POST", endpoint.prefix + route, body=body, headers=dict(headers))
-        resp = conn.getresponse()
-        if resp.status >= 400:
-            message = error_message(resp.read(_MAX_ERROR_BODY))
-            raise EngineHTTPError(
-                f"POST {url} failed: HTTP {resp.status} {resp.reason}: {message}",
-                status=resp.status,
-                server_message=message,
-            )
+        resp = _send(conn, endpoint, "POST", route, body, headers)
         ctype = resp.getheader("Content-Type", "")
         if not ctype.lower().startswith("text/event-stream"):
             raise LMCacheStreamError(
@@ -300,16 +314,9 @@ def request_json(
     url = endpoint.url(route)
     conn = _connect(endpoint, connect_timeout, read_timeout)
     try:
-        conn.request(method, endpoint.prefix + route, body=body, headers=dict(headers))
-        resp = conn.getresponse()
-        if resp.status >= 400:
-            message = error_message(resp.read(_MAX_ERROR_BODY))
-            raise EngineHTTPError(
-                f"{method} {url} failed: HTTP {resp.status} {resp.reason}: {message}",
-                status=resp.status,
-                server_message=message,
-            )
-        raw = resp.read(MAX_JSON_BYTES + 1)
+        raw = _send(conn, endpoint, method, route, body, headers).read(
+            MAX_JSON_BYTES + 1
+        )
     except TimeoutError as exc:
         raise LMCacheStreamError(
             f"{method} {url}: no response within {read_timeout:g}s (read timeout)"
