@@ -26,7 +26,7 @@ from lmcache_mp.bench._eval_prompts import (
     passkey_prompts,
 )
 from lmcache_mp.engine.http.server import serve
-from lmcache_mp.errors import KVConfigError
+from lmcache_mp.errors import CacheKindError, KVConfigError
 from lmcache_mp.kv import connect
 
 #: A small eval on the toy model: two documents, short continuations.
@@ -284,14 +284,29 @@ def test_an_eval_through_serve_keeps_the_local_evals_agreement(
     assert all(r.kl > 0 for r in served.rows[1:])
 
 
-def test_a_server_needs_the_store_and_kv_only_edits() -> None:
-    """server without store, or with an edit that reads queries, is an invalid config naming the problem."""
+def test_a_server_needs_the_store() -> None:
+    """server without store is an invalid config naming the store."""
     with pytest.raises(ValueError, match="store"):
         EvalConfig(server="http://127.0.0.1:1", edits=("window",))
-    with pytest.raises(ValueError, match="tova"):
-        EvalConfig(
-            server="http://127.0.0.1:1", store="shm:///x", edits=("window", "tova")
-        )
+
+
+def test_query_edits_through_serve_read_the_queries_it_records() -> None:
+    """With serve --record-queries, snapkv through the server keeps the local eval's agreement; a server that records none is refused before any stream runs, naming the edit."""
+    store = f"shm:///test-eval-queries-{secrets.token_hex(6)}"
+    config = EvalConfig(edits=("snapkv",), keeps=(0.5,), executor="thread", **TOY)
+    try:
+        with serve(port=0, store=store, chunk_size=16, record_queries=True) as srv:
+            served = evaluate(config, server=srv.url, store=store)
+        with (
+            serve(port=0, store=store, chunk_size=16) as srv,
+            pytest.raises(CacheKindError, match="snapkv"),
+        ):
+            evaluate(config, server=srv.url, store=store)
+    finally:
+        connect(store, chunk_size=16).destroy()
+    local = evaluate(config)
+    assert [r.agreement for r in served.rows] == [r.agreement for r in local.rows]
+    assert [r.kept for r in served.rows] == [r.kept for r in local.rows]
 
 
 def test_the_cli_refuses_server_without_store(

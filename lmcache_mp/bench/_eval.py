@@ -274,7 +274,8 @@ def evaluate(config: EvalConfig | None = None, **overrides: Any) -> EvalResult:
             config.engine, store, contexts[1] if config.needs_queries else None
         )
         if config.server is not None:
-            model = served_engine(model, config.server, store)
+            queries = [name for name in config.edits if name in KIND_EDITS]
+            model = served_engine(model, config.server, store, queries)
         with (
             LMCacheBatchedStream(
                 config.executor, max_workers=config.workers, preload=model.preload

@@ -123,8 +123,9 @@ def add_eval_parser(
         "--server",
         metavar="URL",
         help="run prefill, decode and scoring on this OpenAI-compatible server "
-        "(lmcache-mp serve --store the --store URL); --engine names the "
-        "served model, loaded here for its tokenizer; KV-only edits",
+        "(lmcache-mp serve --store the --store URL, --record-queries for "
+        "snapkv, tova, h2o, rkv); --engine names the served model, loaded "
+        "here for its tokenizer",
     )
     p.add_argument(
         "--store",

@@ -67,17 +67,17 @@ class EvalConfig:
             tokenizer, vocabulary size and attention config, and must be
             the served model. The server must read and write ``store``
             (``lmcache-mp serve --store`` the same URL, ``--chunk-size``
-            the same size): the edits read the KV it prefilled there.
+            the same size): the edits read the KV it prefilled there, and
+            the queries it recorded for those that need them
+            (``--record-queries``).
         store: The KV store URL; needed with ``server`` (default: a
             temporary store, removed at the end). A given store is left
             as it is, with the eval's KV in it.
 
     Raises:
         ValueError: If an edit is unknown or named twice, a keep is not in
-            ``(0, 1]``, a count is not a positive int, ``server`` comes
-            without ``store``, or an edit that reads the prompt's queries
-            (``tova``, ``snapkv``, ``h2o``, ``rkv``) comes with ``server``:
-            a server records no queries.
+            ``(0, 1]``, a count is not a positive int, or ``server`` comes
+            without ``store``.
     """
 
     edits: tuple[str, ...] = EVAL_EDITS
@@ -128,21 +128,11 @@ class EvalConfig:
             )
         if self.workers is not None:
             _positive("workers", self.workers)
-        if self.server is not None:
-            if self.store is None:
-                raise ValueError(
-                    "EvalConfig.server needs EvalConfig.store: the URL of the "
-                    "store the server reads and writes (lmcache-mp serve --store)"
-                )
-            # The QUERY kind is filled by the engine's prefill, which runs
-            # on the server: it records none (issue #21).
-            needs = [name for name in self.edits if name in KIND_EDITS]
-            if needs:
-                raise ValueError(
-                    f"EvalConfig.edits: {', '.join(needs)} read the prompt's "
-                    "queries, which a server does not record; with server, "
-                    "choose edits that read the KV only"
-                )
+        if self.server is not None and self.store is None:
+            raise ValueError(
+                "EvalConfig.server needs EvalConfig.store: the URL of the "
+                "store the server reads and writes (lmcache-mp serve --store)"
+            )
 
     @property
     def needs_queries(self) -> bool:

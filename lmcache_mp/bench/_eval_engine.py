@@ -11,7 +11,7 @@ from typing import Any
 from lmcache_mp.edits import AttentionConfig
 from lmcache_mp.engine import EmbeddedEngine, HFEngine
 from lmcache_mp.engine.http.openai import post_completion, served_models
-from lmcache_mp.errors import KVConfigError, LMCacheStreamError
+from lmcache_mp.errors import CacheKindError, KVConfigError, LMCacheStreamError
 from lmcache_mp.executors import Preload
 from lmcache_mp.kv import KVContext, KVStore
 
@@ -82,13 +82,17 @@ def open_engine(name: str, ctx: KVContext, query_ctx: KVContext | None) -> EvalE
     return EvalEngine(hf, encode, hf.decode, hf.attention, (hf.load,), vocab)
 
 
-def served_engine(local: EvalEngine, url: str, store: KVStore) -> EvalEngine:
+def served_engine(
+    local: EvalEngine, url: str, store: KVStore, queries: Sequence[str]
+) -> EvalEngine:
     """The same model served at ``url``: prefill, decode and scoring go there.
 
     Args:
         local: The model loaded here (tokenizer, attention, vocabulary).
         url: The server's base URL.
         store: The store the eval opened, which the server must share.
+        queries: The edits that read the prompt's queries, which the
+            server's prefill must record.
 
     Returns:
         ``local`` with its engine the OpenAI client of the server's one
@@ -99,6 +103,8 @@ def served_engine(local: EvalEngine, url: str, store: KVStore) -> EvalEngine:
             other than one model.
         KVConfigError: If the server reports a vocabulary size, store or
             chunk size other than the eval's.
+        CacheKindError: If ``queries`` names edits and the server does not
+            say it records queries (``lmcache-mp serve --record-queries``).
     """
     cards = served_models(url)
     if len(cards) != 1:
@@ -121,6 +127,14 @@ def served_engine(local: EvalEngine, url: str, store: KVStore) -> EvalEngine:
                 f"but the eval has {value!r}: start it with the same --store, "
                 "--chunk-size and model"
             )
+    if queries and card.get("records_queries") is not True:
+        # The QUERY kind is filled by the engine's prefill, which runs on the
+        # server: without it the modify would wait for queries in vain.
+        raise CacheKindError(
+            f"{', '.join(queries)} read the prompt's queries, which the server at "
+            f"{url} does not record: start it with lmcache-mp serve "
+            "--record-queries, or choose edits that read the KV only"
+        )
     client = post_completion(url, str(card["id"]), vocab_size=local.vocab_size)
     return dataclasses.replace(
         local, engine=client, preload=("lmcache_mp.engine", "lmcache_mp.edits")

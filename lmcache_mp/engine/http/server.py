@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
+from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.engine._config import KV_DTYPES, EngineConfig
 from lmcache_mp.engine._embedded import EmbeddedEngine
 from lmcache_mp.engine._hf import HFEngine
@@ -87,6 +88,8 @@ class EngineServer:
         model_name: The name clients must send as ``model``.
         max_body_bytes: Largest request body accepted.
         store: The store handle to close on shutdown, if the server owns it.
+        query_store: The engine's QUERY context, to close on shutdown if
+            the server owns it.
         max_logprobs: Most tokens listed per position of a prompt's
             log-probabilities.
 
@@ -104,6 +107,7 @@ class EngineServer:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         store: KVStore | None = None,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        query_store: KVStore | None = None,
     ) -> None:
         if not isinstance(model_name, str) or not model_name:
             raise ValueError(f"model_name must be a non-empty str, got {model_name!r}")
@@ -121,6 +125,9 @@ class EngineServer:
         self.model_name = model_name
         self.max_body_bytes = max_body_bytes
         self._store = store
+        self._query_store = query_store
+        # Read now: tests swap the engine for a stub that has none.
+        self._records_queries = engine.query_ctx is not None
         self._created = int(time.time())
         self._httpd = HTTPServer((host, port), self)
         self._thread = threading.Thread(
@@ -178,7 +185,10 @@ class EngineServer:
     def _store_card(self) -> dict[str, Any]:
         """The store's chunk size, and its URL where it holds no secret."""
         ctx = self.engine.ctx
-        card: dict[str, Any] = {"chunk_size": ctx.chunk_size}
+        card: dict[str, Any] = {
+            "chunk_size": ctx.chunk_size,
+            "records_queries": self._records_queries,
+        }
         if isinstance(ctx, SharedMemoryKVStore):
             card["kv_store"] = ctx.url
         return card
@@ -210,6 +220,8 @@ class EngineServer:
             self._httpd.server_close()
             if not self._httpd.close_connections(timeout):
                 logger.warning("some connections did not close in %ss", timeout)
+            if self._query_store is not None:
+                self._query_store.close()
             if self._store is not None:
                 self._store.close()
             self._stopped.set()
@@ -237,6 +249,7 @@ def serve(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     model: str | None = None,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    record_queries: bool = False,
 ) -> EngineServer:
     """Serve an embedded engine over HTTP on a background thread.
 
@@ -263,6 +276,9 @@ def serve(
             model directory or a GGUF file); its KV layout is the store's.
         max_logprobs: Most tokens listed per position of a prompt's
             log-probabilities (vLLM's ``--max-logprobs``).
+        record_queries: Record each prefill's queries in the store's QUERY
+            namespace, for the edits that score the KV with them (SnapKV,
+            TOVA, H2O, R-KV; ``EmbeddedEngine``'s ``query_ctx``).
 
     Returns:
         The running server.
@@ -282,11 +298,14 @@ def serve(
         layout = {"layers": config.layers, "width": config.width}
         layout["dtype"] = config.dtype
     ctx = connect(store, chunk_size=chunk_size, **layout)
+    query_ctx = None
     try:
+        if record_queries:
+            query_ctx = ctx.for_kind(LMCacheSDKCacheKind.QUERY)
         engine: EmbeddedEngine | HFEngine = (
-            EmbeddedEngine(ctx, config)
+            EmbeddedEngine(ctx, config, query_ctx=query_ctx)
             if model is None
-            else HFEngine.from_pretrained(model, ctx)
+            else HFEngine.from_pretrained(model, ctx, query_ctx=query_ctx)
         )
         server = EngineServer(
             engine,
@@ -296,8 +315,11 @@ def serve(
             max_body_bytes=max_body_bytes,
             store=ctx,
             max_logprobs=max_logprobs,
+            query_store=query_ctx,
         )
     except BaseException:
+        if query_ctx is not None:
+            query_ctx.close()
         ctx.close()
         raise
     return server.start()
@@ -339,6 +361,12 @@ def _parser() -> argparse.ArgumentParser:
         "--model-name",
         default=None,
         help=f"the model clients ask for (default: --model, else {DEFAULT_MODEL_NAME})",
+    )
+    parser.add_argument(
+        "--record-queries",
+        action="store_true",
+        help="record each prefill's queries in the store (for snapkv, tova, "
+        "h2o, rkv edits)",
     )
     parser.add_argument(
         "--max-logprobs",
@@ -428,6 +456,7 @@ def cli(argv: list[str]) -> int:
                 model_name=args.model_name,
                 model=args.model,
                 max_logprobs=args.max_logprobs,
+                record_queries=args.record_queries,
             )
         except OSError as exc:
             print(f"lmcache-mp serve: cannot start: {exc}", file=sys.stderr)
