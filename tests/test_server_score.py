@@ -16,7 +16,7 @@ import pytest
 
 from lmcache_mp.bench._eval import kl_divergence
 from lmcache_mp.engine import EmbeddedEngine, EngineConfig
-from lmcache_mp.engine.http._logprobs import read_rows
+from lmcache_mp.engine.http._logprobs import read_rows, top_entries
 from lmcache_mp.engine.http.openai import OpenAICompletions, post_completion
 from lmcache_mp.engine.http.server import EngineServer, cli, serve
 from lmcache_mp.errors import EngineHTTPError, LMCacheStreamError, StreamInputError
@@ -231,6 +231,14 @@ def test_scores_read_the_context_cached_past_its_end_as_the_engine_does(
     want = EmbeddedEngine(ctx, CONFIG).score(whole[:20], whole[20:])
     got = client(server).score(whole[:20], whole[20:])
     np.testing.assert_allclose(got, spread_top(want, whole[20:], 20), atol=1e-5)
+
+
+def test_listed_entries_put_the_prompt_token_first_with_its_rank() -> None:
+    """top_entries lists the prompt's token first, then the top k by probability, each with its 1-based rank over the whole row (vLLM's)."""
+    row = np.log(np.array([0.1, 0.4, 0.2, 0.3], np.float32))
+    assert [(i, r) for i, _, r in top_entries(row, 2, 0)] == [(0, 4), (1, 1), (3, 2)]
+    assert [(i, r) for i, _, r in top_entries(row, 2, 3)] == [(3, 2), (1, 1)]
+    assert [lp for _, lp, _ in top_entries(row, 1, 1)] == [row[1]]
 
 
 def test_a_row_the_server_left_null_is_a_stream_error() -> None:

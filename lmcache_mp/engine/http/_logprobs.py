@@ -72,8 +72,13 @@ def top_entries(row: _Row, k: int, token: int) -> list[tuple[int, float, int]]:
     k = min(k, row.shape[0])
     top = np.argpartition(-row, k - 1)[:k] if k else np.zeros(0, dtype=np.int64)
     top = top[np.argsort(-row[top], kind="stable")]
+    # A listed token's rank is its place in the top; only the prompt's own
+    # token, when not among them, is counted over the whole row.
+    ranks = {int(t): place + 1 for place, t in enumerate(top)}
+    if token not in ranks:
+        ranks[token] = int((row > row[token]).sum()) + 1
     ids = [token, *(int(t) for t in top if t != token)]
-    return [(i, float(row[i]), int((row > row[i]).sum()) + 1) for i in ids]
+    return [(i, float(row[i]), ranks[i]) for i in ids]
 
 
 def prompt_logprobs(
