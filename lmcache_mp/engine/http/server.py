@@ -360,7 +360,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model-name",
         default=None,
-        help=f"the model clients ask for (default: --model, else {DEFAULT_MODEL_NAME})",
+        help=f"the model clients ask for; none: --model, else {DEFAULT_MODEL_NAME}",
     )
     parser.add_argument(
         "--record-queries",
