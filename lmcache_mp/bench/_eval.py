@@ -245,6 +245,10 @@ def evaluate(config: EvalConfig | None = None, **overrides: Any) -> EvalResult:
     hidden 5-digit number); the modify wall time on ``config.executor`` and
     on threads. The first row, ``none``, is the uncompressed run (its
     agreement is the scorer's own against greedy decoding, 1.0 up to ties).
+    With ``config.server``, prefill, decode and scoring run on that server
+    through the OpenAI client (KL then over its top 20 tokens per position:
+    :meth:`OpenAICompletions.score
+    <lmcache_mp.engine.http.openai.OpenAICompletions.score>`).
 
     Args:
         config: The eval (default ``EvalConfig()``).
@@ -258,6 +262,13 @@ def evaluate(config: EvalConfig | None = None, **overrides: Any) -> EvalResult:
         TypeError: If ``overrides`` names no field of the config.
         ModelLoadError: If the model cannot be loaded.
         LMCacheBatchedStreamError: If a phase failed on some stream.
+        LMCacheStreamError: With ``server``: it cannot be reached, serves
+            other than one model, or a scoring request fails
+            (:class:`EngineHTTPError` for an HTTP error).
+        KVConfigError: With ``server``: it reports another store, chunk
+            size or vocabulary size than the eval's.
+        CacheKindError: With ``server``: an edit reads queries the server
+            does not record.
     """
     config = dataclasses.replace(config or EvalConfig(), **overrides)
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
