@@ -3,9 +3,9 @@
 ``lmcache-mp bench`` compares the executors (see :mod:`lmcache_mp.bench`);
 ``lmcache-mp eval`` measures what the edits keep of a model's output
 (:func:`lmcache_mp.bench.evaluate`);
-``lmcache-mp serve`` runs the embedded engine behind an OpenAI-compatible
-HTTP server (see :mod:`lmcache_mp.engine.http.server`). Also runnable as
-``python -m lmcache_mp``.
+``lmcache-mp serve`` runs the embedded toy engine, or a trained model
+(``--model``), behind an OpenAI-compatible HTTP server (see
+:mod:`lmcache_mp.engine.http.server`). Also runnable as ``python -m lmcache_mp``.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     # parser before this one sees its options.
     subparsers.add_parser(
         "serve",
-        help="serve the embedded engine over an OpenAI-compatible HTTP API "
-        "(lmcache-mp serve --help)",
+        help="serve the toy engine or a trained model (--model) over an "
+        "OpenAI-compatible HTTP API (lmcache-mp serve --help)",
         add_help=False,
     )
     return parser, bench

@@ -94,7 +94,7 @@ class CacheKindError(StreamInputError, KeyError):
 
 class EngineHTTPError(LMCacheStreamError):
     """Raised by the OpenAI-compatible client when the server answers a
-    completion request with an HTTP error (4xx/5xx).
+    completion, scoring or models request with an HTTP error (4xx/5xx).
 
     Attributes:
         status: The HTTP status code.

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +25,9 @@ from lmcache_mp.bench._eval_prompts import (
     passkey_prompt,
     passkey_prompts,
 )
+from lmcache_mp.engine.http.server import serve
+from lmcache_mp.errors import CacheKindError, KVConfigError
+from lmcache_mp.kv import connect
 
 #: A small eval on the toy model: two documents, short continuations.
 TOY = {"engine": "toy", "prompts": 2, "continuation": 6, "haystack_lines": 4}
@@ -244,6 +249,87 @@ def test_the_cli_prints_the_table_and_writes_json(
     assert re.search(r"^streamingllm\s+0\.5\s", printed, re.MULTILINE)
     assert "modify thread (s)" in printed
     assert json.loads(out.read_text())["rows"][1]["edit"] == "streamingllm"
+
+
+# -- through a server --------------------------------------------------------------------
+
+
+@pytest.fixture
+def served_store() -> Iterator[tuple[str, str]]:
+    """lmcache-mp serve (the toy model) on a named store: its URL and the store's."""
+    store = f"shm:///test-eval-serve-{secrets.token_hex(6)}"
+    try:
+        with serve(port=0, store=store, chunk_size=16) as srv:
+            yield srv.url, store
+    finally:
+        connect(store, chunk_size=16).destroy()
+
+
+def test_an_eval_through_serve_keeps_the_local_evals_agreement(
+    served_store: tuple[str, str],
+) -> None:
+    """With --server (prefill, decode and scoring on lmcache-mp serve, sharing the store) KV-only edits keep exactly the local eval's kept share, top-1 agreement and passkey; KL is the top-20 approximation, 0 uncompressed and > 0 where tokens were dropped."""
+    url, store = served_store
+    config = EvalConfig(
+        edits=("window", "knorm"), keeps=(0.5,), executor="thread", **TOY
+    )
+    local = evaluate(config)
+    served = evaluate(config, server=url, store=store)
+
+    def figures(result: EvalResult) -> list[tuple[object, ...]]:
+        return [(r.edit, r.keep, r.kept, r.agreement, r.passkey) for r in result.rows]
+
+    assert figures(served) == figures(local)
+    assert served.rows[0].kl == 0.0
+    assert all(r.kl > 0 for r in served.rows[1:])
+
+
+def test_a_server_needs_the_store() -> None:
+    """server without store is an invalid config naming the store."""
+    with pytest.raises(ValueError, match="store"):
+        EvalConfig(server="http://127.0.0.1:1", edits=("window",))
+
+
+def test_query_edits_through_serve_read_the_queries_it_records() -> None:
+    """With serve --record-queries, snapkv through the server keeps the local eval's agreement; a server that records none is refused before any stream runs, naming the edit."""
+    store = f"shm:///test-eval-queries-{secrets.token_hex(6)}"
+    config = EvalConfig(edits=("snapkv",), keeps=(0.5,), executor="thread", **TOY)
+    try:
+        with serve(port=0, store=store, chunk_size=16, record_queries=True) as srv:
+            served = evaluate(config, server=srv.url, store=store)
+        with (
+            serve(port=0, store=store, chunk_size=16) as srv,
+            pytest.raises(CacheKindError, match="snapkv"),
+        ):
+            evaluate(config, server=srv.url, store=store)
+    finally:
+        connect(store, chunk_size=16).destroy()
+    local = evaluate(config)
+    assert [r.agreement for r in served.rows] == [r.agreement for r in local.rows]
+    assert [r.kept for r in served.rows] == [r.kept for r in local.rows]
+
+
+def test_the_cli_refuses_server_without_store(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """eval --server without --store exits 2 saying what is needed."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--engine", "toy", "--edits", "window", "--server", "http://h"])
+    assert exit_info.value.code == 2
+    assert "needs EvalConfig.store" in capsys.readouterr().err
+
+
+def test_a_server_on_another_chunk_size_is_refused_up_front(
+    served_store: tuple[str, str],
+) -> None:
+    """A server whose model card gives another chunk size than the eval's raises KVConfigError naming it, before any stream runs."""
+    url, store = served_store
+    with pytest.raises(KVConfigError, match="chunk_size"):
+        evaluate(
+            EvalConfig(edits=("window",), keeps=(0.5,), chunk_size=32, **TOY),
+            server=url,
+            store=store,
+        )
 
 
 # -- a trained model -------------------------------------------------------------------

@@ -26,7 +26,7 @@ from lmcache_mp import request
 from lmcache_mp.batch import LMCacheBatchedStream
 from lmcache_mp.bench._agreement import kl_divergence, top1_agreement
 from lmcache_mp.bench._eval_config import EvalConfig
-from lmcache_mp.bench._eval_engine import EvalEngine, open_engine
+from lmcache_mp.bench._eval_engine import EvalEngine, open_engine, served_engine
 from lmcache_mp.bench._eval_prompts import (
     Passkey,
     document_prompts,
@@ -215,6 +215,10 @@ def evaluate(config: EvalConfig | None = None, **overrides: Any) -> EvalResult:
     hidden 5-digit number); the modify wall time on ``config.executor`` and
     on threads. The first row, ``none``, is the uncompressed run (its
     agreement is the scorer's own against greedy decoding, 1.0 up to ties).
+    With ``config.server``, prefill, decode and scoring run on that server
+    through the OpenAI client (KL then over its top 20 tokens per position:
+    :meth:`OpenAICompletions.score
+    <lmcache_mp.engine.http.openai.OpenAICompletions.score>`).
 
     Args:
         config: The eval (default ``EvalConfig()``).
@@ -228,12 +232,19 @@ def evaluate(config: EvalConfig | None = None, **overrides: Any) -> EvalResult:
         TypeError: If ``overrides`` names no field of the config.
         ModelLoadError: If the model cannot be loaded.
         LMCacheBatchedStreamError: If a phase failed on some stream.
+        LMCacheStreamError: With ``server``: it cannot be reached, serves
+            other than one model, or a scoring request fails
+            (:class:`EngineHTTPError` for an HTTP error).
+        KVConfigError: With ``server``: it reports another store, chunk
+            size or vocabulary size than the eval's.
+        CacheKindError: With ``server``: an edit reads queries the server
+            does not record.
     """
     config = dataclasses.replace(config or EvalConfig(), **overrides)
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     begin = time.perf_counter()
     store = connect(
-        f"shm:///lmcache-mp-eval-{secrets.token_hex(6)}",
+        config.store or f"shm:///lmcache-mp-eval-{secrets.token_hex(6)}",
         chunk_size=config.chunk_size,
     )
     contexts = [store]
@@ -243,6 +254,9 @@ def evaluate(config: EvalConfig | None = None, **overrides: Any) -> EvalResult:
         model = open_engine(
             config.engine, store, contexts[1] if config.needs_queries else None
         )
+        if config.server is not None:
+            queries = [name for name in config.edits if name in KIND_EDITS]
+            model = served_engine(model, config.server, store, queries)
         with (
             LMCacheBatchedStream(
                 config.executor, max_workers=config.workers, preload=model.preload
@@ -263,5 +277,8 @@ def evaluate(config: EvalConfig | None = None, **overrides: Any) -> EvalResult:
     finally:
         for ctx in contexts[1:]:
             ctx.close()
-        store.destroy()
+        if config.store is None:
+            store.destroy()
+        else:
+            store.close()
     return EvalResult(config, rows, tokens, time.perf_counter() - begin, created)

@@ -119,6 +119,20 @@ def add_eval_parser(
     p.add_argument(
         "--seed", type=_int_at_least(0), default=d.seed, help="seed of the passkeys"
     )
+    p.add_argument(
+        "--server",
+        metavar="URL",
+        help="run prefill, decode and scoring on this OpenAI-compatible server "
+        "(lmcache-mp serve --store the --store URL, --record-queries for "
+        "snapkv, tova, h2o, rkv); --engine names the served model, loaded "
+        "here for its tokenizer",
+    )
+    p.add_argument(
+        "--store",
+        metavar="URL",
+        help="the KV store, e.g. shm:///NAME: the server's with --server "
+        "(default: a temporary one)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument(
         "--plot", metavar="PATH", help="draw quality against keep (needs 'plot')"
@@ -158,6 +172,8 @@ def eval_config_from_args(
             haystack_lines=args.haystack_lines,
             seed=args.seed,
             rerotate=args.rerotate,
+            server=args.server,
+            store=args.store,
         )
     except ValueError as exc:
         parser.error(f"invalid configuration: {exc}")

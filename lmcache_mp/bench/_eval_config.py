@@ -61,10 +61,23 @@ class EvalConfig:
             default, and an edit that does not leaves its kept keys at
             their old positions while decoding continues at the kept count,
             as vLLM + LMCache would).
+        server: An OpenAI-compatible server's base URL: the streams' prefill
+            and decode, and the teacher-forced scoring, go to it through
+            the OpenAI client; ``engine`` is then loaded here only for its
+            tokenizer, vocabulary size and attention config, and must be
+            the served model. The server must read and write ``store``
+            (``lmcache-mp serve --store`` the same URL, ``--chunk-size``
+            the same size): the edits read the KV it prefilled there, and
+            the queries it recorded for those that need them
+            (``--record-queries``).
+        store: The KV store URL; needed with ``server`` (default: a
+            temporary store, removed at the end). A given store is left
+            as it is, with the eval's KV in it.
 
     Raises:
         ValueError: If an edit is unknown or named twice, a keep is not in
-            ``(0, 1]``, or a count is not a positive int.
+            ``(0, 1]``, a count is not a positive int, or ``server`` comes
+            without ``store``.
     """
 
     edits: tuple[str, ...] = EVAL_EDITS
@@ -79,6 +92,8 @@ class EvalConfig:
     answer_tokens: int = 8
     seed: int = 0
     rerotate: bool | None = None
+    server: str | None = None
+    store: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "edits", tuple(self.edits))
@@ -113,6 +128,11 @@ class EvalConfig:
             )
         if self.workers is not None:
             _positive("workers", self.workers)
+        if self.server is not None and self.store is None:
+            raise ValueError(
+                "EvalConfig.server needs EvalConfig.store: the URL of the "
+                "store the server reads and writes (lmcache-mp serve --store)"
+            )
 
     @property
     def needs_queries(self) -> bool:

@@ -122,6 +122,13 @@ class EvalResult:
             "passkey: greedy answers stating the hidden number; kept: tokens "
             "kept / prompt tokens"
         )
+        if cfg.server is not None:
+            title += f"; served at {cfg.server}"
+            # OpenAICompletions.score: the server lists its top tokens only.
+            note += (
+                "; through the server, KL is taken over its top-20 tokens per "
+                "position, the rest of the mass spread evenly (top-1 exact)"
+            )
         return "\n".join(
             [
                 title,

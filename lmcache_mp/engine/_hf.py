@@ -142,6 +142,11 @@ class HFEngine(CachingEngine):
         return self.load().tokenizer
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends a reply (unless ``ignore_eos``)."""
+        return _eos_ids(self.model, self.tokenizer)
+
+    @property
     def layout(self) -> tuple[int, int, int, int]:
         """``(layers, q_heads, kv_heads, head_dim)`` of the model."""
         return self.load().layout
@@ -248,7 +253,7 @@ class HFEngine(CachingEngine):
                 queries = _queries(sink, len(prompt), reused)
                 record_queries(self._query_ctx, queries, prompt, reused, salt)
         self._count(EngineStats(1, len(prompt), reused, len(prompt) - reused, 0))
-        eos = _eos_ids(model, self.tokenizer)
+        eos = self.eos_token_ids
         sampler = Sampler(params)
         pieces = _Detokenizer(self.tokenizer)
         one = EngineStats(generated_tokens=1)

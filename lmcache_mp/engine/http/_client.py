@@ -11,16 +11,28 @@ import json
 import ssl
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from lmcache_mp.errors import EngineHTTPError, LMCacheStreamError
 
-__all__ = ["Endpoint", "error_message", "open_stream", "read_lines"]
+__all__ = [
+    "Endpoint",
+    "client_headers",
+    "error_message",
+    "open_stream",
+    "read_lines",
+    "request_json",
+    "served_models",
+]
 
 #: Longest SSE line accepted (a first chunk may echo a long prompt's ids).
 MAX_LINE_BYTES = 64 * 1024 * 1024
 #: Most bytes of an error body read for its message.
 _MAX_ERROR_BODY = 64 * 1024
+#: Largest JSON response read (a prompt's top-20 log-probabilities of a
+#: 4,096-token prompt are ~5 MB).
+MAX_JSON_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -148,6 +160,28 @@ def _connect(
     return conn
 
 
+def _send(
+    conn: http.client.HTTPConnection,
+    endpoint: Endpoint,
+    method: str,
+    route: str,
+    body: bytes | None,
+    headers: Mapping[str, str],
+) -> http.client.HTTPResponse:
+    """Send a request; return its response, or raise for an HTTP error."""
+    conn.request(method, endpoint.prefix + route, body=body, headers=dict(headers))
+    resp = conn.getresponse()
+    if resp.status >= 400:
+        message = error_message(resp.read(_MAX_ERROR_BODY))
+        raise EngineHTTPError(
+            f"{method} {endpoint.url(route)} failed: HTTP {resp.status} "
+            f"{resp.reason}: {message}",
+            status=resp.status,
+            server_message=message,
+        )
+    return resp
+
+
 def open_stream(
     endpoint: Endpoint,
     route: str,
@@ -180,15 +214,7 @@ def open_stream(
     url = endpoint.url(route)
     conn = _connect(endpoint, connect_timeout, read_timeout)
     try:
-        conn.request("POST", endpoint.prefix + route, body=body, headers=dict(headers))
-        resp = conn.getresponse()
-        if resp.status >= 400:
-            message = error_message(resp.read(_MAX_ERROR_BODY))
-            raise EngineHTTPError(
-                f"POST {url} failed: HTTP {resp.status} {resp.reason}: {message}",
-                status=resp.status,
-                server_message=message,
-            )
+        resp = _send(conn, endpoint, "POST", route, body, headers)
         ctype = resp.getheader("Content-Type", "")
         if not ctype.lower().startswith("text/event-stream"):
             raise LMCacheStreamError(
@@ -253,3 +279,111 @@ def read_lines(
                 f"after {progress()}"
             )
         yield line
+
+
+def request_json(
+    endpoint: Endpoint,
+    method: str,
+    route: str,
+    body: bytes | None,
+    headers: Mapping[str, str],
+    *,
+    connect_timeout: float,
+    read_timeout: float,
+) -> Any:
+    """Send one request and return its parsed JSON response.
+
+    Args:
+        endpoint: The server.
+        method: ``"GET"`` or ``"POST"``.
+        route: The path, e.g. ``"/v1/completions"``.
+        body: The JSON request body, or ``None``.
+        headers: Request headers.
+        connect_timeout: Seconds to wait for the connection.
+        read_timeout: Seconds to wait for each read of the response.
+
+    Returns:
+        The parsed JSON document.
+
+    Raises:
+        EngineHTTPError: If the server answers with an HTTP error (the
+            message gives the status and the server's own message).
+        LMCacheStreamError: If the server cannot be reached, times out, or
+            answers with something other than JSON.
+    """
+    url = endpoint.url(route)
+    conn = _connect(endpoint, connect_timeout, read_timeout)
+    try:
+        raw = _send(conn, endpoint, method, route, body, headers).read(
+            MAX_JSON_BYTES + 1
+        )
+    except TimeoutError as exc:
+        raise LMCacheStreamError(
+            f"{method} {url}: no response within {read_timeout:g}s (read timeout)"
+        ) from exc
+    except (OSError, http.client.HTTPException) as exc:
+        raise LMCacheStreamError(
+            f"{method} {url} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    finally:
+        conn.close()
+    if len(raw) > MAX_JSON_BYTES:
+        raise LMCacheStreamError(
+            f"{method} {url}: the response exceeds {MAX_JSON_BYTES} bytes"
+        )
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise LMCacheStreamError(
+            f"{method} {url}: the response is not JSON ({exc}): {raw[:200]!r}"
+        ) from exc
+
+
+def client_headers(api_key: str | None, accept: str) -> dict[str, str]:
+    """The request headers of the client (``Authorization`` with a key)."""
+    out = {
+        "Content-Type": "application/json",
+        "Accept": accept,
+        "User-Agent": "lmcache-mp",
+    }
+    if api_key:
+        out["Authorization"] = f"Bearer {api_key}"
+    return out
+
+
+def served_models(
+    base_url: str, *, timeout: float = 10.0, api_key: str | None = None
+) -> list[dict[str, Any]]:
+    """Return the model cards of ``GET {base_url}/v1/models``.
+
+    Args:
+        base_url: The server's root URL.
+        timeout: Seconds to wait for the connection and the answer.
+        api_key: Sent as ``Authorization: Bearer <api_key>`` when given.
+
+    Returns:
+        The cards (``id``, ``max_model_len``; ``lmcache-mp serve`` adds
+        ``vocab_size``, ``chunk_size`` and a shared store's ``kv_store``).
+
+    Raises:
+        ValueError: For a bad URL.
+        EngineHTTPError: If the server answers with an HTTP error.
+        LMCacheStreamError: If it cannot be reached, or answers no list.
+    """
+    endpoint = Endpoint.parse(base_url)
+    doc = request_json(
+        endpoint,
+        "GET",
+        "/v1/models",
+        None,
+        client_headers(api_key, "application/json"),
+        connect_timeout=timeout,
+        read_timeout=timeout,
+    )
+    cards = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(cards, list):
+        raise LMCacheStreamError(
+            f"GET {endpoint.url('/v1/models')}: 'data' is {str(cards)[:100]}, "
+            "expected a list of models"
+        )
+    return [c for c in cards if isinstance(c, dict)]

@@ -33,8 +33,6 @@ SAMPLING_KEYS = (
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
-    "echo": (None, False),
-    "logprobs": (None,),
     "suffix": (None, ""),
     "stop": (None, "", []),
     "presence_penalty": (None, 0, 0.0),
@@ -60,6 +58,14 @@ class CompletionRequest:
         continuous_usage: Put usage in every chunk too.
         return_token_ids: Add ``token_ids`` (and ``prompt_token_ids``).
         cache_salt: The isolation salt.
+        prompt_logprobs: vLLM's ``prompt_logprobs``: top tokens listed per
+            prompt position, or ``None``.
+        echo: Put the prompt before the completion's text.
+        logprobs: With ``echo``, top tokens listed per echoed prompt token.
+        tokens_as_ids: Name tokens ``"token_id:<id>"`` in ``logprobs``.
+        echo_only: ``echo`` with ``max_tokens`` 0: generate nothing.
+        score_from: lmcache-mp's ``prompt_logprobs_from``: the first
+            position to score, the context before it (vLLM ignores it).
     """
 
     prompt: list[int]
@@ -70,6 +76,22 @@ class CompletionRequest:
     continuous_usage: bool = False
     return_token_ids: bool = False
     cache_salt: str = ""
+    prompt_logprobs: int | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    tokens_as_ids: bool = False
+    echo_only: bool = False
+    score_from: int | None = None
+
+    @property
+    def scores(self) -> bool:
+        """Whether the prompt's log-probabilities are asked for."""
+        return self.prompt_logprobs is not None or self.logprobs is not None
+
+    @property
+    def generates(self) -> int:
+        """Tokens to generate: ``max_tokens``, 0 for an echo alone."""
+        return 0 if self.echo_only else self.params.max_tokens
 
 
 def _flag(doc: dict[str, Any], key: str, where: str | None = None) -> bool:
@@ -118,8 +140,49 @@ def _sampling(doc: dict[str, Any]) -> tuple[dict[str, Any], SamplingParams]:
     return sampling, SamplingParams.from_mapping(sampling)
 
 
+def _count(doc: dict[str, Any], key: str, most: int) -> int | None:
+    """A count of listed tokens in ``[0, most]``, or ``None``."""
+    value = doc.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _bad(f"{key} is {value!r}, expected an int >= 0", key)
+    if value > most:
+        raise _bad(
+            f"{key} is {value}, more than this server's --max-logprobs {most}", key
+        )
+    return value
+
+
+def _scoring(doc: dict[str, Any], max_logprobs: int) -> dict[str, Any]:
+    """The prompt log-probability fields, checked as vLLM checks them; what
+    the engine cannot do is refused naming the field (issue #21)."""
+    fields = {
+        "prompt_logprobs": _count(doc, "prompt_logprobs", max_logprobs),
+        "echo": _flag(doc, "echo"),
+        "logprobs": _count(doc, "logprobs", max_logprobs),
+        "tokens_as_ids": _flag(doc, "return_tokens_as_token_ids"),
+    }
+    stream = _flag(doc, "stream")
+    if fields["prompt_logprobs"] is not None and stream:
+        raise _bad("prompt_logprobs are not available with stream", "prompt_logprobs")
+    if fields["echo"] and stream:
+        raise _bad("echo is supported without stream only", "echo")
+    if fields["logprobs"] is not None and not fields["echo"]:
+        raise _bad(
+            "logprobs of generated tokens are not supported; the prompt's are "
+            "(echo with max_tokens 0, or prompt_logprobs)",
+            "logprobs",
+            "unsupported_parameter",
+        )
+    return fields
+
+
 def parse_request(
-    doc: Any, model_name: str, tokenize: Callable[[str], list[int]]
+    doc: Any,
+    model_name: str,
+    tokenize: Callable[[str], list[int]],
+    max_logprobs: int = 20,
 ) -> CompletionRequest:
     """Validate a completions request body.
 
@@ -127,6 +190,8 @@ def parse_request(
         doc: The parsed JSON body.
         model_name: The served model's name.
         tokenize: Turns a text prompt into token ids.
+        max_logprobs: Most tokens listed per position (vLLM's
+            ``--max-logprobs``).
 
     Returns:
         The request.
@@ -156,8 +221,34 @@ def parse_request(
                 key,
                 "unsupported_parameter",
             )
+    scoring = _scoring(doc, max_logprobs)
     prompt = _prompt(doc["prompt"], tokenize)
-    sampling, params = _sampling(doc)
+    echo_only = scoring["echo"] and doc.get("max_tokens") == 0
+    # max_tokens 0 asks for the echo alone, as vLLM allows it (PR #2995).
+    sampling, params = _sampling(
+        {k: v for k, v in doc.items() if k != "max_tokens"} if echo_only else doc
+    )
+    scored = scoring["echo"] or scoring["prompt_logprobs"] is not None
+    score_from = doc.get("prompt_logprobs_from")
+    if score_from is not None and (
+        isinstance(score_from, bool)
+        or not isinstance(score_from, int)
+        or not 1 <= score_from <= len(prompt)
+    ):
+        raise _bad(
+            f"prompt_logprobs_from is {score_from!r}, expected an int in "
+            f"[1, {len(prompt)}] (the prompt's length)",
+            "prompt_logprobs_from",
+        )
+    if scored and not echo_only and params.max_tokens > 1:
+        # A scored prompt is not stored (as the engines' score): only the
+        # distribution right after it is at hand.
+        raise _bad(
+            f"max_tokens is {params.max_tokens}; with echo or prompt_logprobs "
+            "this server generates at most 1 token",
+            "max_tokens",
+            "unsupported_parameter",
+        )
     stream = _flag(doc, "stream")
     options = doc.get("stream_options")
     if options is not None and not stream:
@@ -183,6 +274,9 @@ def parse_request(
         continuous_usage=include_usage and continuous,
         return_token_ids=_flag(doc, "return_token_ids"),
         cache_salt=salt or "",
+        echo_only=echo_only,
+        score_from=score_from,
+        **scoring,
     )
 
 
@@ -284,8 +378,23 @@ class ResponseBuilder:
         ids: list[int],
         finish_reason: str,
         final_usage: dict[str, Any],
+        fields: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Return a complete (non-streaming) response."""
-        doc = self._envelope([self._choice(text, ids, finish_reason)])
+        """Return a complete (non-streaming) response.
+
+        Args:
+            text: The completion's text.
+            ids: Its token ids.
+            finish_reason: ``"stop"`` or ``"length"``.
+            final_usage: Its usage.
+            fields: Fields of the choice besides the text (``logprobs``,
+                ``prompt_logprobs``).
+
+        Returns:
+            The response.
+        """
+        choice = self._choice(text, ids, finish_reason)
+        choice.update(fields or {})
+        doc = self._envelope([choice])
         doc["usage"] = final_usage
         return doc

@@ -13,13 +13,17 @@ import socket
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from lmcache_mp.engine._embedded import EmbeddedEngine
+import numpy as np
+
+from lmcache_mp.engine._sampling import Sampler
 from lmcache_mp.engine.http._completions import (
     CompletionRequest,
     ResponseBuilder,
     parse_request,
     usage,
 )
+from lmcache_mp.engine.http._logprobs import echo_logprobs, prompt_logprobs
+from lmcache_mp.engine.http._served import ServedEngine, ServedVocab, score_prompt
 from lmcache_mp.engine.http._server import (
     APIError,
     JSONRequestHandler,
@@ -35,9 +39,11 @@ __all__ = ["App", "HTTPServer"]
 class App(Protocol):
     """What the handler needs from the server it runs in."""
 
-    engine: EmbeddedEngine
+    engine: ServedEngine
+    vocab: ServedVocab
     model_name: str
     max_body_bytes: int
+    max_logprobs: int
 
     def models(self) -> dict[str, Any]:
         """Return the ``GET /v1/models`` document."""
@@ -127,24 +133,63 @@ class _Handler(JSONRequestHandler):
     def _completions(self) -> None:
         app = self.app
         doc = self.read_json(app.max_body_bytes)
-        request = parse_request(doc, app.model_name, app.engine.tokenize)
-        try:
+        request = parse_request(
+            doc, app.model_name, app.vocab.tokenize, app.max_logprobs
+        )
+        if request.echo or request.prompt_logprobs is not None:
+            self._scored(request)
+            return
+        with _engine_errors("prefill"):
             events = app.engine(request.prompt, request.sampling, request.cache_salt)
             # Prefill now: its errors still get a proper status code.
             first = next(events, None)
-        except (SamplingParamsError, StreamInputError) as exc:
-            param = "prompt" if isinstance(exc, StreamInputError) else None
-            raise APIError(400, str(exc), code="invalid_value", param=param) from exc
-        except LMCacheError as exc:
-            logger.exception("prefill failed")
-            raise APIError(
-                500, f"the engine failed: {exc}", code="engine_error"
-            ) from exc
         with contextlib.closing(_Generation(events, first)) as gen:
             if request.stream:
                 self._stream(request, gen)
             else:
                 self._respond(request, gen)
+
+    def _scored(self, request: CompletionRequest) -> None:
+        """Answer with the prompt's log-probabilities (or its echo), scored as
+        the engine's ``score`` scores: over the cached prefix, nothing
+        stored; the one token asked for at most is sampled from the
+        distribution after the prompt (issue #21)."""
+        vocab, prompt = self.app.vocab, request.prompt
+        with _engine_errors("scoring"):
+            first, reused, rows = score_prompt(
+                self.app.engine,
+                prompt,
+                request.cache_salt,
+                request.generates > 0,
+                request.score_from,
+            )
+        ids = []
+        if request.generates:
+            token = Sampler(request.params).sample(rows[-1].astype(np.float64))
+            rows = rows[:-1]
+            if not request.params.stops_at(token, vocab.eos):
+                ids.append(token)
+        text = "".join(vocab.piece(t) for t in ids)
+        fields: dict[str, Any] = {}
+        if request.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = prompt_logprobs(
+                rows, prompt, first, request.prompt_logprobs, vocab.piece
+            )
+        if request.echo:
+            text = vocab.detokenize(prompt) + text
+            if request.logprobs is not None:
+                fields["logprobs"] = echo_logprobs(
+                    rows,
+                    prompt,
+                    first,
+                    request.logprobs,
+                    vocab.piece,
+                    request.tokens_as_ids,
+                )
+        builder = ResponseBuilder(request, self.app.model_name)
+        reason = _finish_reason(len(ids), request) or "stop"
+        final = usage(len(prompt), len(ids), reused)
+        self.send_json(200, builder.response(text, ids, reason, final, fields))
 
     def _respond(self, request: CompletionRequest, gen: _Generation) -> None:
         ids: list[int] = []
@@ -192,6 +237,19 @@ class _Handler(JSONRequestHandler):
             self.send_event(_json(builder.usage_chunk(final)))
         self.send_event("[DONE]")
         self.end_events()
+
+
+@contextlib.contextmanager
+def _engine_errors(phase: str) -> Iterator[None]:
+    """Turn the engine's errors into API errors: bad input 400, else 500."""
+    try:
+        yield
+    except (SamplingParamsError, StreamInputError) as exc:
+        param = "prompt" if isinstance(exc, StreamInputError) else None
+        raise APIError(400, str(exc), code="invalid_value", param=param) from exc
+    except LMCacheError as exc:
+        logger.exception("%s failed", phase)
+        raise APIError(500, f"the engine failed: {exc}", code="engine_error") from exc
 
 
 def _finish_reason(count: int, request: CompletionRequest) -> str | None:

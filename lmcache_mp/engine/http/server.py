@@ -1,10 +1,25 @@
-"""``lmcache-mp serve``: the embedded engine behind an OpenAI-compatible API.
+"""``lmcache-mp serve``: an embedded engine behind an OpenAI-compatible API.
 
-Routes: ``GET /health``, ``GET /v1/models`` and ``POST /v1/completions``
-(streaming and not; prompt as text or token ids; ``return_token_ids``;
-``stream_options.include_usage``; usage with
+The toy model (:class:`EmbeddedEngine`), or with ``--model`` a trained one
+(:class:`HFEngine`, e.g. ``--model smollm2-135m``). Routes:
+``GET /health``, ``GET /v1/models`` (with the model's ``vocab_size``) and
+``POST /v1/completions`` (streaming and not; prompt as text or token ids;
+``return_token_ids``; ``stream_options.include_usage``; usage with
 ``prompt_tokens_details.cached_tokens``). Errors are OpenAI-style JSON
 bodies with 4xx codes.
+
+The prompt's log-probabilities (issue #21), as vLLM answers them:
+``prompt_logprobs: K`` and ``echo`` with ``logprobs: K`` (and
+``return_tokens_as_token_ids``; ``max_tokens: 0`` for no completion), K up
+to ``--max-logprobs`` (20, vLLM's default), not streamed. They are the
+engine's ``score`` over the prompt's cached prefix (edited or not), as its
+decode would read it: positions whose KV came from the cache were never
+computed and are ``null``. ``prompt_logprobs_from: N`` (an extension)
+says the context ends at ``N``: the answer is then exactly
+``engine.score(prompt[:N], prompt[N:])``, rows from ``N`` on. Nothing is
+stored, and at most one token is generated, sampled from the distribution
+after the prompt. (vLLM instead skips its cache for such a request and
+computes every position.)
 
 With ``--store shm:///NAME`` the server's engine reads and writes the named
 shared-memory KV store, so that a batch opened on the same store sees the
@@ -29,15 +44,19 @@ from collections.abc import Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
+from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.engine._config import KV_DTYPES, EngineConfig
 from lmcache_mp.engine._embedded import EmbeddedEngine
+from lmcache_mp.engine._hf import HFEngine
 from lmcache_mp.engine.http._handler import HTTPServer
+from lmcache_mp.engine.http._served import ServedEngine, served_vocab
 from lmcache_mp.engine.http._server import logger
 from lmcache_mp.errors import LMCacheError
-from lmcache_mp.kv import DEFAULT_CHUNK_SIZE, KVStore, connect
+from lmcache_mp.kv import DEFAULT_CHUNK_SIZE, KVStore, SharedMemoryKVStore, connect
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_LOGPROBS",
     "DEFAULT_MODEL_NAME",
     "EngineServer",
     "cli",
@@ -49,6 +68,9 @@ DEFAULT_MODEL_NAME = "lmcache-mp-embedded"
 _LISTENING = "lmcache-mp serve: listening on"
 #: Largest request body accepted by default (a long prompt's ids fit).
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+#: Most tokens listed per position of a prompt's log-probabilities (vLLM's
+#: ``--max-logprobs`` default).
+DEFAULT_MAX_LOGPROBS = 20
 
 
 class EngineServer:
@@ -66,6 +88,10 @@ class EngineServer:
         model_name: The name clients must send as ``model``.
         max_body_bytes: Largest request body accepted.
         store: The store handle to close on shutdown, if the server owns it.
+        query_store: The engine's QUERY context, to close on shutdown if
+            the server owns it.
+        max_logprobs: Most tokens listed per position of a prompt's
+            log-probabilities.
 
     Raises:
         OSError: If the address cannot be bound.
@@ -73,13 +99,15 @@ class EngineServer:
 
     def __init__(
         self,
-        engine: EmbeddedEngine,
+        engine: EmbeddedEngine | HFEngine,
         *,
         host: str = "127.0.0.1",
         port: int = 8000,
         model_name: str = DEFAULT_MODEL_NAME,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         store: KVStore | None = None,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        query_store: KVStore | None = None,
     ) -> None:
         if not isinstance(model_name, str) or not model_name:
             raise ValueError(f"model_name must be a non-empty str, got {model_name!r}")
@@ -87,10 +115,19 @@ class EngineServer:
             raise ValueError(f"max_body_bytes must be an int, got {max_body_bytes!r}")
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
-        self.engine = engine
+        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int):
+            raise ValueError(f"max_logprobs must be an int, got {max_logprobs!r}")
+        if max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {max_logprobs}")
+        self.engine: ServedEngine = engine
+        self.vocab = served_vocab(engine)
+        self.max_logprobs = max_logprobs
         self.model_name = model_name
         self.max_body_bytes = max_body_bytes
         self._store = store
+        self._query_store = query_store
+        # Read now: tests swap the engine for a stub that has none.
+        self._records_queries = engine.query_ctx is not None
         self._created = int(time.time())
         self._httpd = HTTPServer((host, port), self)
         self._thread = threading.Thread(
@@ -136,10 +173,25 @@ class EngineServer:
                     "object": "model",
                     "created": self._created,
                     "owned_by": "lmcache-mp",
-                    "max_model_len": self.engine.config.max_position,
+                    "max_model_len": self.vocab.max_model_len,
+                    # Not in vLLM's card: lets a scoring client size its rows,
+                    # and one that shares the store check it (issue #21).
+                    "vocab_size": self.vocab.size,
+                    **self._store_card(),
                 }
             ],
         }
+
+    def _store_card(self) -> dict[str, Any]:
+        """The store's chunk size, and its URL where it holds no secret."""
+        ctx = self.engine.ctx
+        card: dict[str, Any] = {
+            "chunk_size": ctx.chunk_size,
+            "records_queries": self._records_queries,
+        }
+        if isinstance(ctx, SharedMemoryKVStore):
+            card["kv_store"] = ctx.url
+        return card
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the server has been shut down.
@@ -168,6 +220,8 @@ class EngineServer:
             self._httpd.server_close()
             if not self._httpd.close_connections(timeout):
                 logger.warning("some connections did not close in %ss", timeout)
+            if self._query_store is not None:
+                self._query_store.close()
             if self._store is not None:
                 self._store.close()
             self._stopped.set()
@@ -191,8 +245,11 @@ def serve(
     store: str | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     config: EngineConfig | None = None,
-    model_name: str = DEFAULT_MODEL_NAME,
+    model_name: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    model: str | None = None,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    record_queries: bool = False,
 ) -> EngineServer:
     """Serve an embedded engine over HTTP on a background thread.
 
@@ -210,9 +267,18 @@ def serve(
             removed at shutdown.
         chunk_size: Tokens per KV chunk; must match the chunk size the
             other users of the store use.
-        config: The model; ``EngineConfig()`` by default.
-        model_name: The name clients send as ``model``.
+        config: The toy model; ``EngineConfig()`` by default.
+        model_name: The name clients send as ``model``; by default
+            ``model``, or ``"lmcache-mp-embedded"`` for the toy model.
         max_body_bytes: Largest request body accepted (413 beyond).
+        model: A trained model to serve instead of the toy one: what
+            :meth:`HFEngine.from_pretrained` takes (``"smollm2-135m"``, a
+            model directory or a GGUF file); its KV layout is the store's.
+        max_logprobs: Most tokens listed per position of a prompt's
+            log-probabilities (vLLM's ``--max-logprobs``).
+        record_queries: Record each prefill's queries in the store's QUERY
+            namespace, for the edits that score the KV with them (SnapKV,
+            TOVA, H2O, R-KV; ``EmbeddedEngine``'s ``query_ctx``).
 
     Returns:
         The running server.
@@ -222,26 +288,38 @@ def serve(
             KV layout is not the model's.
         KVStoreError: If the store cannot be opened.
         OSError: If the address cannot be bound.
-        ValueError: For a bad model name or body limit.
+        ValueError: For a bad model name, body limit or ``max_logprobs``.
+        ModelLoadError: If ``model`` cannot be found or loaded.
+        ImportError: For ``model``, without the ``model`` extra.
     """
     config = config if config is not None else EngineConfig()
-    ctx = connect(
-        store,
-        chunk_size=chunk_size,
-        layers=config.layers,
-        width=config.width,
-        dtype=config.dtype,
-    )
+    layout: dict[str, Any] = {}
+    if model is None:
+        layout = {"layers": config.layers, "width": config.width}
+        layout["dtype"] = config.dtype
+    ctx = connect(store, chunk_size=chunk_size, **layout)
+    query_ctx = None
     try:
+        if record_queries:
+            query_ctx = ctx.for_kind(LMCacheSDKCacheKind.QUERY)
+        engine: EmbeddedEngine | HFEngine = (
+            EmbeddedEngine(ctx, config, query_ctx=query_ctx)
+            if model is None
+            else HFEngine.from_pretrained(model, ctx, query_ctx=query_ctx)
+        )
         server = EngineServer(
-            EmbeddedEngine(ctx, config),
+            engine,
             host=host,
             port=port,
-            model_name=model_name,
+            model_name=model_name or model or DEFAULT_MODEL_NAME,
             max_body_bytes=max_body_bytes,
             store=ctx,
+            max_logprobs=max_logprobs,
+            query_store=query_ctx,
         )
     except BaseException:
+        if query_ctx is not None:
+            query_ctx.close()
         ctx.close()
         raise
     return server.start()
@@ -251,8 +329,9 @@ def _parser() -> argparse.ArgumentParser:
     defaults = EngineConfig()
     parser = argparse.ArgumentParser(
         prog="lmcache-mp serve",
-        description="Serve the embedded engine with an OpenAI-compatible API "
-        "(GET /health, GET /v1/models, POST /v1/completions).",
+        description="Serve the embedded toy engine, or a trained model, with an "
+        "OpenAI-compatible API (GET /health, GET /v1/models, "
+        "POST /v1/completions).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
@@ -272,9 +351,30 @@ def _parser() -> argparse.ArgumentParser:
         help="tokens per KV chunk; the same as the store's other users",
     )
     parser.add_argument(
-        "--model-name", default=DEFAULT_MODEL_NAME, help="the model clients ask for"
+        "--model",
+        default=None,
+        metavar="NAME_OR_PATH",
+        help="serve a trained model (HFEngine): smollm2-135m, a model "
+        "directory or a GGUF file; none: the toy model below",
     )
-    model = parser.add_argument_group("model (EngineConfig)")
+    parser.add_argument(
+        "--model-name",
+        default=None,
+        help=f"the model clients ask for; none: --model, else {DEFAULT_MODEL_NAME}",
+    )
+    parser.add_argument(
+        "--record-queries",
+        action="store_true",
+        help="record each prefill's queries in the store (for snapkv, tova, "
+        "h2o, rkv edits)",
+    )
+    parser.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=DEFAULT_MAX_LOGPROBS,
+        help="most tokens listed per position of a prompt's log-probabilities",
+    )
+    model = parser.add_argument_group("toy model (EngineConfig; not with --model)")
     for name in ("layers", "kv_heads", "head_dim", "d_model", "vocab_size", "seed"):
         model.add_argument(
             "--" + name.replace("_", "-"),
@@ -354,6 +454,9 @@ def cli(argv: list[str]) -> int:
                 chunk_size=args.chunk_size,
                 config=config,
                 model_name=args.model_name,
+                model=args.model,
+                max_logprobs=args.max_logprobs,
+                record_queries=args.record_queries,
             )
         except OSError as exc:
             print(f"lmcache-mp serve: cannot start: {exc}", file=sys.stderr)
