@@ -21,16 +21,12 @@ import lmcache_mp
 import lmcache_mp.batch as lmc_batch
 import lmcache_mp.stream as lmc_stream
 from lmcache_mp._core.phase import PhaseSpec
+from lmcache_mp._util.gilwatch import GilWatch, queued_s
 from lmcache_mp.edits import make_edit
 from lmcache_mp.engine import EmbeddedEngine
 from lmcache_mp.executors import _auto
-from lmcache_mp.executors._auto import (
-    ROUND_TRIP_S,
-    AutoExecutor,
-    GilWatch,
-    queued_s,
-    weigh,
-)
+from lmcache_mp.executors._auto import AutoExecutor
+from lmcache_mp.executors._cost import ROUND_TRIP_S, weigh
 from lmcache_mp.hints import gil_hint
 from lmcache_mp.kv import SharedMemoryKVStore
 from tests._fakes import FakeEngine, InMemoryKV

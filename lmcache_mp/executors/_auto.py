@@ -24,17 +24,15 @@ stream's wall time as serial on threads (issue #20).
 from __future__ import annotations
 
 import hashlib
-import math
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 
 import cloudpickle
 
 from lmcache_mp._core.phase import PhaseSpec, StreamJob
+from lmcache_mp._util.gilwatch import GilWatch
 from lmcache_mp.errors import LMCachePicklingError
 from lmcache_mp.executors._base import (
     PhaseExecutor,
@@ -42,192 +40,17 @@ from lmcache_mp.executors._base import (
     Preload,
     physical_cores,
 )
+from lmcache_mp.executors._cost import Choice, weigh
 from lmcache_mp.executors._process import ProcessExecutor
 from lmcache_mp.executors._thread import ThreadExecutor, limit_blas_while
 from lmcache_mp.executors._worker import run_job
 from lmcache_mp.hints import gil_hint
 
-__all__ = ["AutoExecutor", "Choice", "GilWatch", "queued_s", "weigh"]
+__all__ = ["AutoExecutor"]
 
-#: Parent-side cost of one stream on the pool (task pickling, the result
-#: queue, the outcome): 0.3-1 ms measured here on 2 cores (issue #12).
-ROUND_TRIP_S = 1e-3
-#: Share of the cores threads reach on CPU work that releases the GIL:
-#: measured here at ~0.5 on 2 cores (``bench --compare``: threads ran the
-#: redundancy and stride edits no faster than one core, the GIL convoy on
-#: every store call) where processes reached 1.2-2x (issue #12).
-THREAD_EFFICIENCY = 0.5
 #: Pool start assumed before one was measured, by start method (measured
 #: here with the default preload: spawn 0.6-1.2 s, forkserver 0.4-0.8 s).
 _START_GUESS_S = {"spawn": 1.0, "forkserver": 0.6, "fork": 0.1}
-
-
-@dataclass(frozen=True)
-class Choice:
-    """The executor that runs a phase, and why.
-
-    Args:
-        executor: ``"thread"`` or ``"process"``.
-        reason: One sentence for the report.
-        threads_s: The cost model's estimate on threads (0: not weighed).
-        processes_s: Its estimate on processes (0: not weighed).
-    """
-
-    executor: str
-    reason: str
-    threads_s: float = 0.0
-    processes_s: float = 0.0
-
-
-def queued_s() -> float:
-    """Seconds the calling thread has waited, runnable, for a core.
-
-    Read from ``/proc/thread-self/schedstat`` (its second field, ns; Linux
-    with schedstats); 0.0 where there is no such file, so that the callers'
-    differences are 0.
-
-    Returns:
-        The thread's run-queue wait since it started.
-    """
-    try:
-        with open("/proc/thread-self/schedstat", encoding="ascii") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-class GilWatch:
-    """Measure how much a block of code holds the GIL.
-
-    A watcher thread naps in a loop; each time it wakes it needs the GIL.
-    While the watched thread runs bytecode, the watcher waits until the
-    interpreter forces a switch (``sys.getswitchinterval()``, 5 ms); while
-    it runs C code that released the GIL, the watcher gets it within the
-    timer's slack (~0.1 ms). The time spent in waits of over half a switch
-    interval, over the most it can be (a switch interval per nap), is the
-    GIL-held share; bytecode run in bursts shorter than that counts as
-    released.
-
-    On a machine busy with other processes the watched thread also waits
-    for a core (issue #20: load 5 on 2 cores); where Linux reports that
-    wait (``/proc/thread-self/schedstat``) it is ``queued_s``: CPU the
-    block wanted but did not get, not a wait that threads would overlap.
-    (Taking the watcher's own core waits out of its delays was tried: it
-    took out GIL handoffs too, and read a pure-Python loop as 20-90% held.)
-    """
-
-    _NAP_S = 1e-3
-
-    def __init__(self) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._blocked = 0.0
-        self._begin = 0.0
-        self._cpu_begin = 0.0
-        #: Seconds the block took (set on exit).
-        self.wall_s = 0.0
-        #: CPU seconds the watched thread used in it (set on exit).
-        self.cpu_s = 0.0
-        #: Seconds it waited for a core, runnable (set on exit; 0 where the
-        #: OS does not say).
-        self.queued_s = 0.0
-        self._queued_begin = 0.0
-
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            start = time.perf_counter()
-            time.sleep(self._NAP_S)
-            late = time.perf_counter() - start - self._NAP_S
-            # Half a switch interval late: it waited for the GIL. Less is
-            # the timer's slack or a busy core (seen up to ~1 ms here
-            # while other processes ran), not the watched thread.
-            if late > sys.getswitchinterval() / 2:
-                self._blocked += late
-
-    @property
-    def held(self) -> float:
-        """GIL-held share in ``[0, 1]``."""
-        if self.wall_s <= 0.0:
-            return 0.0
-        # Held throughout, the watcher waits a switch interval per nap.
-        switch = sys.getswitchinterval()
-        most = self.wall_s * switch / (switch + self._NAP_S)
-        return min(1.0, self._blocked / most)
-
-    def __enter__(self) -> GilWatch:
-        self._begin = time.perf_counter()
-        self._cpu_begin = time.thread_time()
-        self._queued_begin = queued_s()
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.wall_s = time.perf_counter() - self._begin
-        self.cpu_s = time.thread_time() - self._cpu_begin
-        self.queued_s = queued_s() - self._queued_begin
-        self._stop.set()
-        self._thread.join()
-
-
-def weigh(
-    seconds: float,
-    held: float,
-    rest: int,
-    cores: int,
-    start_s: float,
-    cpu: float = 1.0,
-) -> Choice:
-    """Pick the cheaper executor for ``rest`` streams like the measured one.
-
-    The GIL-held share is a share of the stream's *wall* time (what the
-    watch measures): that much of every stream runs one at a time on
-    threads, whatever the cores and whatever its CPU share (the holder may
-    be waiting for a core on a busy machine: the GIL stays held). Issue
-    #20 saw a fn holding the GIL 98% of the time estimated within 2% on
-    threads and processes, where the old model scaled the whole stream by
-    its CPU share and a GIL share floored by the cores. Of the rest, the
-    CPU work runs on the cores at ``THREAD_EFFICIENCY``, and the waits
-    (I/O, sleeps) overlap. Processes run whole streams on ``min(cores,
-    rest)`` workers, in rounds, plus a round trip per stream and the pool
-    start.
-
-    Args:
-        seconds: One stream's measured wall seconds on one core.
-        held: Its GIL-held share of ``seconds``, in ``[0, 1]``.
-        rest: Streams still to run.
-        cores: Cores available.
-        start_s: Seconds to start the pool first (0 when it runs or is
-            paid for by the batch's other phases).
-        cpu: Its CPU seconds over ``seconds`` (the rest it waited), in
-            ``[0, 1]``.
-
-    Returns:
-        The choice, with the estimates in its reason.
-    """
-    k = max(1, min(cores, rest))
-    held_s = seconds * held
-    # CPU work done without the GIL (numpy, BLAS, the store's copies).
-    free_cpu_s = min(seconds - held_s, max(0.0, seconds * cpu - held_s))
-    threads = max(
-        seconds,
-        rest * held_s + rest * free_cpu_s / max(1.0, k * THREAD_EFFICIENCY),
-    )
-    processes = math.ceil(rest / k) * seconds + rest * ROUND_TRIP_S + start_s
-    executor = "process" if processes < threads else "thread"
-    return Choice(
-        executor,
-        f"a stream took {seconds * 1e3:.1f} ms ({cpu:.0%} CPU) holding the "
-        f"GIL {held:.0%} of it: est. {threads * 1e3:.0f} ms on threads vs "
-        f"{processes * 1e3:.0f} ms on processes for the other {rest}"
-        + (f" (pool start {start_s:.2f} s)" if start_s else ""),
-        threads,
-        processes,
-    )
 
 
 def _fn_digest(spec: PhaseSpec) -> str | None:
