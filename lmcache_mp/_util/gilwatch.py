@@ -10,9 +10,38 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from types import TracebackType
 
-__all__ = ["GilWatch", "queued_s"]
+__all__ = ["GilProbe", "GilWatch", "queued_s"]
+
+
+@dataclass(frozen=True)
+class GilProbe:
+    """What a :class:`GilWatch` measured of a block: plain, picklable
+    figures, so that a worker can send back the measurement of the stream
+    it ran (issue #20).
+
+    Args:
+        wall_s: Seconds the block took.
+        cpu_s: CPU seconds the watched thread used in it.
+        queued_s: Seconds it waited for a core, runnable (0 where the OS
+            does not say).
+        held: GIL-held share of ``wall_s``, in ``[0, 1]``.
+    """
+
+    wall_s: float
+    cpu_s: float
+    queued_s: float
+    held: float
+
+    @property
+    def cpu(self) -> float:
+        """CPU share of the wall time, in ``[0, 1]``; time queued for a
+        core counts as CPU the block needed (issue #20)."""
+        if self.wall_s <= 0.0:
+            return 1.0
+        return min(1.0, (self.cpu_s + self.queued_s) / self.wall_s)
 
 
 def queued_s() -> float:
@@ -89,6 +118,10 @@ class GilWatch:
         switch = sys.getswitchinterval()
         most = self.wall_s * switch / (switch + self._NAP_S)
         return min(1.0, self._blocked / most)
+
+    def probe(self) -> GilProbe:
+        """The figures of the block (once it has exited)."""
+        return GilProbe(self.wall_s, self.cpu_s, self.queued_s, self.held)
 
     def __enter__(self) -> GilWatch:
         self._begin = time.perf_counter()

@@ -6,8 +6,9 @@ Data flow of a phase::
       generate: the engines' GIL hints ------------------------> choice
       modify:   fn digest seen before? -------------------------> choice
                 else fn hint gil_bound? ------------------------> processes
-                else run jobs[0] here under a GIL watch (a running
-                     pool's other workers take jobs[1:cores] meanwhile):
+                else run jobs[0] under a GIL watch: in a worker of a
+                     running pool, with jobs[1:workers] beside it (one
+                     full round); else alone here:
                      seconds c, GIL-held share g --> cost model -> choice
       the other jobs --> ThreadExecutor | ProcessExecutor --> PhaseRun
                          (.executor and .reason say which and why)
@@ -16,23 +17,23 @@ Threads cost nothing to start and move no state through pipes, but run
 Python bytecode one stream at a time; processes run it on every core but
 pay a round trip per stream and, once per batch, the pool start. The
 first modify stream of an unknown fn is a real run (its outcome commits),
-measured on the caller's thread with one BLAS thread, as a worker would
-run it. The cost model (:func:`weigh`) counts the GIL-held share of a
-stream's wall time as serial on threads (issue #20).
+measured where a worker would run it: in one, when the pool runs (issue
+#20), else on the caller's thread with one BLAS thread. The cost model
+(:func:`~lmcache_mp.executors._cost.weigh`) counts the GIL-held share of
+a stream's wall time as serial on threads (issue #20).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import threading
 import time
-from collections.abc import Callable, Sequence
-from types import TracebackType
+from collections.abc import Sequence
 
 import cloudpickle
 
-from lmcache_mp._core.phase import PhaseSpec, StreamJob
-from lmcache_mp._util.gilwatch import GilWatch
+from lmcache_mp._core.phase import PhaseSpec, StreamJob, StreamOutcome
+from lmcache_mp._util.gilwatch import GilProbe
 from lmcache_mp.errors import LMCachePicklingError
 from lmcache_mp.executors._base import (
     PhaseExecutor,
@@ -46,11 +47,16 @@ from lmcache_mp.executors._thread import ThreadExecutor, limit_blas_while
 from lmcache_mp.executors._worker import run_job
 from lmcache_mp.hints import gil_hint
 
-__all__ = ["AutoExecutor"]
+__all__ = ["AutoExecutor", "measurement"]
 
 #: Pool start assumed before one was measured, by start method (measured
 #: here with the default preload: spawn 0.6-1.2 s, forkserver 0.4-0.8 s).
 _START_GUESS_S = {"spawn": 1.0, "forkserver": 0.6, "fork": 0.1}
+
+
+def measurement(outcome: StreamOutcome | None) -> GilProbe | None:
+    """The figures a measured stream came back with (``None``: none came)."""
+    return None if outcome is None else outcome.probe
 
 
 def _fn_digest(spec: PhaseSpec) -> str | None:
@@ -173,49 +179,57 @@ class AutoExecutor(PhaseExecutor):
         timeout: float | None,
         max_in_flight: int | None,
     ) -> PhaseRun:
-        """Run the first job here, measured; the rest where it says.
+        """Run the first stream measured, then the rest where it says.
 
-        While the first job is measured, a running pool's other workers
-        are not left idle: they run one job each (``cores - 1`` jobs in
-        all), so that a fn that belongs on processes loses no round to the
-        measurement (issue #20: the lone probe made ``auto`` 1.25x slower
-        than the pool on a GIL-bound edit over 8 streams on 2 cores). The
-        pool is not started for them: a start would outlast the probe.
+        With the pool running, the measured stream runs in a worker, in a
+        first round that keeps every worker busy (``workers`` streams), so
+        that nothing runs alone while it is measured: issue #20 saw the
+        caller's lone measurement of one 512 MiB stream double a modify
+        phase that the pool runs in four rounds. Without a pool, it runs
+        alone on the caller's thread with one BLAS thread, as a worker
+        would: a start would outlast it, and threads may be the choice.
+        Either way the measured stream is real work; its outcome commits.
         """
-        cores = physical_cores()
-        ahead = jobs[1:cores] if self._process.pids() and len(jobs) > 2 else []
-        beside_choice = Choice("process", "run beside the measured stream")
-
-        def run_beside() -> PhaseRun:
-            if not ahead:
-                return PhaseRun()
-            return self._run_on(beside_choice, spec, ahead, timeout, max_in_flight)
-
         begin = time.perf_counter()
-        with (
-            _Background(run_beside) as beside,
-            limit_blas_while(cores),
-            GilWatch() as watch,
-        ):
-            first = run_job(spec, jobs[0], remote=False)
-        held = 0.0 if gil_hint(spec.fn) is False else watch.held
-        # Time spent queued for a core is CPU the stream needed (#20).
-        busy = watch.cpu_s + watch.queued_s
-        cpu = min(1.0, busy / watch.wall_s) if watch.wall_s > 0 else 1.0
-        rest = jobs[1 + len(ahead) :]
-        # Weighed for every other stream, as a later phase of the same fn
-        # (which reuses the choice) runs them all on it.
-        choice = weigh(
-            watch.wall_s, held, len(jobs) - 1, cores, self._pool_start_s(), cpu
-        )
-        if first.error is None:
-            self._decisions[digest] = choice
-        run = beside.result
+        cores = physical_cores()
+        first = dataclasses.replace(jobs[0], measure=True)
+        if self._process.pids():
+            ahead = [first, *jobs[1 : max(1, self._process.workers)]]
+            beside = Choice("process", "the first round, one stream measured")
+            run = self._run_on(beside, spec, ahead, timeout, max_in_flight)
+        else:
+            ahead = [first]
+            with limit_blas_while(cores):
+                run = PhaseRun(
+                    outcomes={first.stream_id: run_job(spec, first, remote=False)}
+                )
+        outcome = run.outcomes.get(first.stream_id)
+        probe = measurement(outcome)
+        if probe is None:
+            # Its worker died before reporting: nothing learnt, nothing kept.
+            choice = Choice(
+                "process" if self._process.pids() else "thread",
+                "the measured stream did not report",
+            )
+        else:
+            held = 0.0 if gil_hint(spec.fn) is False else probe.held
+            # Weighed for every other stream, as a later phase of the same
+            # fn (which reuses the choice) runs them all on it.
+            choice = weigh(
+                probe.wall_s,
+                held,
+                len(jobs) - 1,
+                cores,
+                self._pool_start_s(),
+                probe.cpu,
+            )
+            if outcome is not None and outcome.error is None:
+                self._decisions[digest] = choice
+        rest = jobs[len(ahead) :]
         if rest:
             spent = time.perf_counter() - begin
             left = None if timeout is None else max(0.0, timeout - spent)
             run = _merged(run, self._run_on(choice, spec, rest, left, max_in_flight))
-        run.outcomes = {first.stream_id: first, **run.outcomes}
         run.executor, run.reason = choice.executor, choice.reason
         return run
 
@@ -243,41 +257,6 @@ class AutoExecutor(PhaseExecutor):
         run.executor, run.reason = choice.executor, choice.reason
         run.workers = self._process.workers if inner is self._process else len(jobs)
         return run
-
-
-class _Background:
-    """Run a phase on a helper thread for the length of a ``with`` block.
-
-    ``result`` is its :class:`PhaseRun` once the block has exited (the
-    exit waits for it); an exception it raised is raised there.
-    """
-
-    def __init__(self, fn: Callable[[], PhaseRun]) -> None:
-        self._fn = fn
-        self._thread = threading.Thread(target=self._main, daemon=True)
-        self._error: BaseException | None = None
-        self.result = PhaseRun()
-
-    def _main(self) -> None:
-        try:
-            self.result = self._fn()
-        except BaseException as exc:  # re-raised in the caller's thread
-            self._error = exc
-
-    def __enter__(self) -> _Background:
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        # Bounded by the phase's timeout, which the helper's run honours.
-        self._thread.join()
-        if self._error is not None and exc is None:
-            raise self._error
 
 
 def _merged(first: PhaseRun, second: PhaseRun) -> PhaseRun:
