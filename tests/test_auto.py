@@ -55,6 +55,14 @@ def sleeper(kv: np.ndarray, tokens: list[int]) -> Result:
     return kv, tokens, os.getpid()
 
 
+def first_quick(kv: np.ndarray, tokens: list[int]) -> Result:
+    """Waits 30 ms without the GIL on the first stream (tokens from 0),
+    0.5 s on the others, so that the first one's outcome is back while the
+    others still run; reports its pid."""
+    time.sleep(0.03 if tokens[0] == 0 else 0.5)
+    return kv, tokens, os.getpid()
+
+
 @lmcache_mp.gil_bound
 def marked_bound(kv: np.ndarray, tokens: list[int]) -> Result:
     """Marked GIL-bound, though it is quick; reports its pid."""
@@ -221,11 +229,12 @@ def test_gil_bound_fn_runs_on_processes(
 def test_gil_free_fn_runs_on_threads(
     auto_batch: lmc_batch.LMCacheBatchedStream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An unknown fn that releases the GIL (a sleep), with the pool running:
-    the first round (one stream per worker, one of them measured) runs on
-    the workers, the rest on threads in this process."""
+    """An unknown fn that waits without the GIL, with the pool running: the
+    first round (one stream per worker, the first measured) runs on the
+    workers; the streams not sent when the measurement came back run on
+    threads in this process."""
     monkeypatch.setattr(_auto, "physical_cores", lambda: 2)
-    report = auto_batch.modify(sleeper)
+    report = auto_batch.modify(first_quick)
     pids = _pids(auto_batch)
     executor = auto_batch.executor
     assert isinstance(executor, AutoExecutor)
@@ -271,7 +280,7 @@ def test_measured_waiting_fn_goes_to_threads(
     """A fn measured waiting (no CPU, no GIL) runs on threads, which
     overlap its waits."""
     _inject(monkeypatch, wall_s=0.05, cpu=0.0, held=0.0)
-    report = auto_batch.modify(quick)
+    report = auto_batch.modify(first_quick)
     assert _pids(auto_batch)[2:] == [os.getpid()] * 2
     assert _config(report)["executor_chosen"] == "thread"
 

@@ -42,6 +42,7 @@ from lmcache_mp.executors._base import (
     physical_cores,
 )
 from lmcache_mp.executors._cost import Choice, weigh
+from lmcache_mp.executors._dispatch import Hold
 from lmcache_mp.executors._process import ProcessExecutor
 from lmcache_mp.executors._thread import ThreadExecutor, limit_blas_while
 from lmcache_mp.executors._worker import run_job
@@ -179,59 +180,88 @@ class AutoExecutor(PhaseExecutor):
         timeout: float | None,
         max_in_flight: int | None,
     ) -> PhaseRun:
-        """Run the first stream measured, then the rest where it says.
+        """Run the first stream measured, and the rest where it says.
 
-        With the pool running, the measured stream runs in a worker, in a
-        first round that keeps every worker busy (``workers`` streams), so
-        that nothing runs alone while it is measured: issue #20 saw the
+        With the pool running, every stream goes to the pool, the measured
+        one first, a round at a time (one in flight per worker) until the
+        measurement is back; a choice of threads then takes the streams
+        not sent yet. Nothing runs alone while it is measured, and a fn
+        that belongs on processes loses nothing to it: issue #20 saw the
         caller's lone measurement of one 512 MiB stream double a modify
-        phase that the pool runs in four rounds. Without a pool, it runs
-        alone on the caller's thread with one BLAS thread, as a worker
-        would: a start would outlast it, and threads may be the choice.
-        Either way the measured stream is real work; its outcome commits.
+        phase that the pool runs in four rounds. Without a pool, the
+        measured stream runs alone on the caller's thread with one BLAS
+        thread, as a worker would: a start would outlast it, and threads
+        may be the choice. The measured stream is real work; its outcome
+        commits.
         """
         begin = time.perf_counter()
-        cores = physical_cores()
         first = dataclasses.replace(jobs[0], measure=True)
+        # The choice once the measured outcome is back (None: it came back
+        # without figures, its worker lost).
+        decided: list[Choice | None] = []
+
+        def decide(run: PhaseRun) -> Choice | None:
+            outcome = run.outcomes.get(first.stream_id)
+            if not decided and outcome is not None:
+                choice = self._weigh(spec, len(jobs), digest, outcome)
+                decided.append(choice)
+            return decided[0] if decided else None
+
+        def hold(run: PhaseRun) -> bool:
+            choice = decide(run)
+            return choice is not None and choice.executor != "process"
+
         if self._process.pids():
-            ahead = [first, *jobs[1 : max(1, self._process.workers)]]
-            beside = Choice("process", "the first round, one stream measured")
-            run = self._run_on(beside, spec, ahead, timeout, max_in_flight)
+            workers = max(1, self._process.workers)
+            in_flight = (
+                workers if max_in_flight is None else min(workers, max_in_flight)
+            )
+            pool = Choice("process", "the pool runs the measured stream")
+            run = self._run_on(pool, spec, [first, *jobs[1:]], timeout, in_flight, hold)
+            if run.executor != "process":
+                return run  # the phase could not reach the pool
+            unrun = set(run.unrun)
+            rest = [job for job in jobs if job.stream_id in unrun]
         else:
-            ahead = [first]
-            with limit_blas_while(cores):
+            with limit_blas_while(physical_cores()):
                 run = PhaseRun(
                     outcomes={first.stream_id: run_job(spec, first, remote=False)}
                 )
-        outcome = run.outcomes.get(first.stream_id)
-        probe = measurement(outcome)
-        if probe is None:
-            # Its worker died before reporting: nothing learnt, nothing kept.
-            choice = Choice(
-                "process" if self._process.pids() else "thread",
-                "the measured stream did not report",
-            )
-        else:
-            held = 0.0 if gil_hint(spec.fn) is False else probe.held
-            # Weighed for every other stream, as a later phase of the same
-            # fn (which reuses the choice) runs them all on it.
-            choice = weigh(
-                probe.wall_s,
-                held,
-                len(jobs) - 1,
-                cores,
-                self._pool_start_s(),
-                probe.cpu,
-            )
-            if outcome is not None and outcome.error is None:
-                self._decisions[digest] = choice
-        rest = jobs[len(ahead) :]
+            rest = jobs[1:]
+        # A worker that died before reporting: nothing learnt, nothing kept.
+        choice = decide(run) or Choice(
+            "process" if self._process.pids() else "thread",
+            "the measured stream did not report",
+        )
         if rest:
             spent = time.perf_counter() - begin
             left = None if timeout is None else max(0.0, timeout - spent)
             run = _merged(run, self._run_on(choice, spec, rest, left, max_in_flight))
         run.executor, run.reason = choice.executor, choice.reason
         return run
+
+    def _weigh(
+        self, spec: PhaseSpec, n_jobs: int, digest: str, outcome: StreamOutcome
+    ) -> Choice | None:
+        """The choice for a phase's other streams from its measured one's
+        outcome; kept for the fn when that stream succeeded."""
+        probe = measurement(outcome)
+        if probe is None:
+            return None
+        held = 0.0 if gil_hint(spec.fn) is False else probe.held
+        # Weighed for every other stream, as a later phase of the same fn
+        # (which reuses the choice) runs them all on it.
+        choice = weigh(
+            probe.wall_s,
+            held,
+            n_jobs - 1,
+            physical_cores(),
+            self._pool_start_s(),
+            probe.cpu,
+        )
+        if outcome.error is None:
+            self._decisions[digest] = choice
+        return choice
 
     def _run_on(
         self,
@@ -240,12 +270,19 @@ class AutoExecutor(PhaseExecutor):
         jobs: list[StreamJob],
         timeout: float | None,
         max_in_flight: int | None,
+        hold: Hold | None = None,
     ) -> PhaseRun:
-        inner: PhaseExecutor = self._process
-        if choice.executor == "thread":
-            inner = self._thread
         try:
-            run = inner.run(spec, jobs, timeout=timeout, max_in_flight=max_in_flight)
+            if choice.executor == "thread":
+                inner: PhaseExecutor = self._thread
+                run = inner.run(
+                    spec, jobs, timeout=timeout, max_in_flight=max_in_flight
+                )
+            else:
+                inner = self._process
+                run = self._process.run(
+                    spec, jobs, timeout=timeout, max_in_flight=max_in_flight, hold=hold
+                )
         except LMCachePicklingError as exc:
             # A context or engine that cannot reach a worker still runs
             # here; nothing was sent, so no stream has run yet.
