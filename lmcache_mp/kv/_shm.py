@@ -26,9 +26,9 @@ from lmcache_mp.kv._chunk import (
 )
 from lmcache_mp.kv._common import (
     StoreHandle,
-    as_bytes,
     capacity_error,
     check_positive,
+    chunk_payloads,
     kv_layout,
     require_layout,
     warn_corrupt,
@@ -414,11 +414,9 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
                 self._usage.capacity,
                 "Raise it with connect(url, capacity_bytes=...)",
             )
-        raw = as_bytes(arr, layout)
         moves = []
         free = [entry.name for entry in list_free(fd)]
-        for index in missing + rewrite:
-            views = chunk_views(raw, index * size, (index + 1) * size)
+        for index, views in chunk_payloads(arr, layout, size, missing + rewrite):
             try:
                 tmp = write_chunk(
                     fd,
