@@ -293,6 +293,30 @@ def test_a_hold_leaves_the_jobs_not_sent_yet_unrun(
     assert run.unrun == [job.stream_id for job in jobs[1:]]
 
 
+def test_a_hold_that_says_go_on_is_not_asked_again(
+    store: SharedMemoryKVStore, start_method: str
+) -> None:
+    """A hold that decides to carry on at its first question: every job
+    runs, none is unrun, and it is asked once."""
+    with _batch(store, start_method) as batch:
+        batch.prefill({})
+        spec, jobs = build_phase(
+            list(batch.streams.values()), kind="modify", fn=worker_pid
+        )
+        executor = batch.executor
+        assert isinstance(executor, ProcessExecutor)
+        asked: list[int] = []
+
+        def hold(run: PhaseRun) -> bool:
+            asked.append(len(run.outcomes))
+            return False
+
+        run = executor.run(spec, jobs, timeout=60, hold=hold)
+    assert len(asked) == 1
+    assert set(run.outcomes) == {job.stream_id for job in jobs}
+    assert run.unrun == []
+
+
 def test_ctrl_c_stops_the_parent_and_every_worker(tmp_path: Any) -> None:
     """SIGINT to the parent during a phase: it exits within seconds and no worker survives."""
     pidfile = tmp_path / "pids"

@@ -184,8 +184,8 @@ class AutoExecutor(PhaseExecutor):
 
         With the pool running, every stream goes to the pool, the measured
         one first, a round at a time (one in flight per worker) until the
-        measurement is back; a choice of threads then takes the streams
-        not sent yet. Nothing runs alone while it is measured, and a fn
+        measurement is back, then as usual; a choice of threads takes the
+        streams not sent yet instead. Nothing runs alone while it is measured, and a fn
         that belongs on processes loses nothing to it: issue #20 saw the
         caller's lone measurement of one 512 MiB stream double a modify
         phase that the pool runs in four rounds. Without a pool, the
@@ -207,17 +207,14 @@ class AutoExecutor(PhaseExecutor):
                 decided.append(choice)
             return decided[0] if decided else None
 
-        def hold(run: PhaseRun) -> bool:
+        def hold(run: PhaseRun) -> bool | None:
             choice = decide(run)
-            return choice is not None and choice.executor != "process"
+            return None if choice is None else choice.executor != "process"
 
         if self._process.pids():
-            workers = max(1, self._process.workers)
-            in_flight = (
-                workers if max_in_flight is None else min(workers, max_in_flight)
-            )
             pool = Choice("process", "the pool runs the measured stream")
-            run = self._run_on(pool, spec, [first, *jobs[1:]], timeout, in_flight, hold)
+            all_jobs = [first, *jobs[1:]]
+            run = self._run_on(pool, spec, all_jobs, timeout, max_in_flight, hold)
             if run.executor != "process":
                 return run  # the phase could not reach the pool
             unrun = set(run.unrun)

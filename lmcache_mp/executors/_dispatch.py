@@ -40,10 +40,12 @@ from lmcache_mp.executors._worker import ShardTask, run_shard
 __all__ = ["JOIN_TIMEOUT", "Hold", "ShardExecutor", "fail_all", "pickle_spec"]
 
 #: Asked with the phase's figures so far each time outcomes come back while
-#: jobs wait to be sent; ``True`` leaves those jobs unrun
-#: (``PhaseRun.unrun``): how ``executor="auto"`` stops a measured phase
-#: that belongs on threads (issue #20).
-Hold = Callable[[PhaseRun], bool]
+#: jobs wait to be sent, until it decides: ``None`` (not yet: at most one
+#: task per worker stays in flight, so that a stop leaves the most jobs
+#: unsent), ``False`` (send the rest as usual) or ``True`` (leave them
+#: unrun, named in ``PhaseRun.unrun``). How ``executor="auto"`` stops a
+#: measured phase that belongs on threads (issue #20).
+Hold = Callable[[PhaseRun], bool | None]
 
 #: Times a phase rebuilds a broken pool before failing what is left.
 _MAX_ROUNDS = 3
@@ -320,7 +322,8 @@ class ShardExecutor(PhaseExecutor):
         running: dict[Future[list[bytes]], list[int]] = {}
         lost: list[int] = []
         while (queue or running) and not lost:
-            while queue and len(running) < limit:
+            cap = limit if hold is None else min(limit, workers)
+            while queue and len(running) < cap:
                 nos = queue.popleft()
                 task = dataclasses.replace(
                     template, jobs=[jobs[no] for no in nos], job_nos=nos
@@ -347,7 +350,12 @@ class ShardExecutor(PhaseExecutor):
                 return []
             for future in done:
                 lost += self._collect(future, running.pop(future), jobs, result)
-            if queue and not lost and hold is not None and hold(result):
+            verdict = None
+            if queue and not lost and hold is not None:
+                verdict = hold(result)
+            if verdict is not None:
+                hold = None
+            if verdict:
                 result.unrun += [jobs[no].stream_id for nos in queue for no in nos]
                 queue.clear()
         if lost:
