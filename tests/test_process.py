@@ -269,28 +269,38 @@ def test_max_in_flight_bounds_concurrent_edits(
         assert {m.info for m in batch.modify_metrics.values()} == {1}
 
 
-def test_a_hold_leaves_the_jobs_not_sent_yet_unrun(
-    store: SharedMemoryKVStore, start_method: str
-) -> None:
-    """A hold that says stop once the first outcome is back: with one job in
-    flight, the other three are never sent; they are named unrun, and have
-    no outcome (what auto uses to move them to threads, issue #20)."""
+def _run_held(
+    store: SharedMemoryKVStore, start_method: str, verdict: bool, **opts: Any
+) -> tuple[PhaseRun, list[str], list[int]]:
+    """Run a modify of 4 streams on a started pool with a hold that answers
+    ``verdict``; return the run, the job ids and the outcomes counted at
+    each question."""
     with _batch(store, start_method) as batch:
         batch.prefill({})
         streams = list(batch.streams.values())
         spec, jobs = build_phase(streams, kind="modify", fn=worker_pid)
         executor = batch.executor
         assert isinstance(executor, ProcessExecutor)
-        seen: list[int] = []
+        asked: list[int] = []
 
         def hold(run: PhaseRun) -> bool:
-            seen.append(len(run.outcomes))
-            return True
+            asked.append(len(run.outcomes))
+            return verdict
 
-        run = executor.run(spec, jobs, timeout=60, max_in_flight=1, hold=hold)
-    assert seen == [1]
-    assert list(run.outcomes) == [jobs[0].stream_id]
-    assert run.unrun == [job.stream_id for job in jobs[1:]]
+        run = executor.run(spec, jobs, timeout=60, hold=hold, **opts)
+    return run, [job.stream_id for job in jobs], asked
+
+
+def test_a_hold_leaves_the_jobs_not_sent_yet_unrun(
+    store: SharedMemoryKVStore, start_method: str
+) -> None:
+    """A hold that says stop once the first outcome is back: with one job in
+    flight, the other three are never sent; they are named unrun, and have
+    no outcome (what auto uses to move them to threads, issue #20)."""
+    run, ids, asked = _run_held(store, start_method, True, max_in_flight=1)
+    assert asked == [1]
+    assert list(run.outcomes) == ids[:1]
+    assert run.unrun == ids[1:]
 
 
 def test_a_hold_that_says_go_on_is_not_asked_again(
@@ -298,22 +308,9 @@ def test_a_hold_that_says_go_on_is_not_asked_again(
 ) -> None:
     """A hold that decides to carry on at its first question: every job
     runs, none is unrun, and it is asked once."""
-    with _batch(store, start_method) as batch:
-        batch.prefill({})
-        spec, jobs = build_phase(
-            list(batch.streams.values()), kind="modify", fn=worker_pid
-        )
-        executor = batch.executor
-        assert isinstance(executor, ProcessExecutor)
-        asked: list[int] = []
-
-        def hold(run: PhaseRun) -> bool:
-            asked.append(len(run.outcomes))
-            return False
-
-        run = executor.run(spec, jobs, timeout=60, hold=hold)
+    run, ids, asked = _run_held(store, start_method, False)
     assert len(asked) == 1
-    assert set(run.outcomes) == {job.stream_id for job in jobs}
+    assert set(run.outcomes) == set(ids)
     assert run.unrun == []
 
 
