@@ -413,16 +413,19 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
                 self._usage.capacity,
                 "Raise it with connect(url, capacity_bytes=...)",
             )
-        moves = write_chunks(
-            fd,
-            self._path,
-            self._counts,
-            arr,
-            layout,
-            size,
-            [(i, names[i], keys[i]) for i in missing + rewrite],
-            publish,
-        )
+        try:
+            moves = write_chunks(
+                fd,
+                self._path,
+                self._counts,
+                arr,
+                layout,
+                size,
+                [(i, names[i], keys[i]) for i in missing + rewrite],
+                publish,
+            )
+        finally:
+            self._usage.written(len(missing) * file_size)
         return True, moves
 
     def sweep(self) -> int:
