@@ -3,10 +3,11 @@ that never touches pinned chunks.
 
 Recency is a chunk file's mtime, refreshed on every hit and every store of
 an existing chunk, so eviction order is shared by all processes. Byte
-accounting is approximate under concurrency: a handle trusts its own count
-for a second before listing the directory again. Chunks pinned by open
-batches (:mod:`~lmcache_mp.kv._pinfiles`) are never evicted; what does not
-fit besides them is reported, for the store to refuse (issue #20).
+accounting is approximate across processes: a handle trusts its own count
+(its own writes under way included) for a second before listing the
+directory again. Chunks pinned by open batches
+(:mod:`~lmcache_mp.kv._pinfiles`) are never evicted; what does not fit
+besides them is reported, for the store to refuse (issue #20).
 """
 
 from __future__ import annotations
