@@ -6,9 +6,11 @@ Data flow of a phase::
       generate: the engines' GIL hints ------------------------> choice
       modify:   fn digest seen before? -------------------------> choice
                 else fn hint gil_bound? ------------------------> processes
-                else run jobs[0] under a GIL watch: in a worker of a
-                     running pool, with jobs[1:workers] beside it (one
-                     full round); else alone here:
+                else run jobs[0] under a GIL watch:
+                     pool running: every job to the pool, jobs[0] first,
+                     a round in flight until its figures are back (the
+                     hold); a choice of threads takes the jobs not sent
+                     pool idle: jobs[0] alone here, the rest after it
                      seconds c, GIL-held share g --> cost model -> choice
       the other jobs --> ThreadExecutor | ProcessExecutor --> PhaseRun
                          (.executor and .reason say which and why)
