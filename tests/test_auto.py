@@ -20,17 +20,14 @@ import pytest
 import lmcache_mp
 import lmcache_mp.batch as lmc_batch
 import lmcache_mp.stream as lmc_stream
-from lmcache_mp._core.phase import PhaseSpec
+from lmcache_mp._core.phase import PhaseSpec, build_phase
+from lmcache_mp._util.gilwatch import GilProbe, GilWatch, queued_s
 from lmcache_mp.edits import make_edit
 from lmcache_mp.engine import EmbeddedEngine
 from lmcache_mp.executors import _auto
-from lmcache_mp.executors._auto import (
-    ROUND_TRIP_S,
-    AutoExecutor,
-    GilWatch,
-    queued_s,
-    weigh,
-)
+from lmcache_mp.executors._auto import AutoExecutor
+from lmcache_mp.executors._cost import ROUND_TRIP_S, weigh
+from lmcache_mp.executors._worker import run_job
 from lmcache_mp.hints import gil_hint
 from lmcache_mp.kv import SharedMemoryKVStore
 from tests._fakes import FakeEngine, InMemoryKV
@@ -55,6 +52,14 @@ def python_loop(kv: np.ndarray, tokens: list[int]) -> Result:
 def sleeper(kv: np.ndarray, tokens: list[int]) -> Result:
     """An edit that waits 30 ms without the GIL; reports its pid."""
     time.sleep(0.03)
+    return kv, tokens, os.getpid()
+
+
+def first_quick(kv: np.ndarray, tokens: list[int]) -> Result:
+    """Waits 30 ms without the GIL on the first stream (tokens from 0),
+    0.5 s on the others, so that the first one's outcome is back while the
+    others still run; reports its pid."""
+    time.sleep(0.03 if tokens[0] == 0 else 0.5)
     return kv, tokens, os.getpid()
 
 
@@ -211,11 +216,10 @@ def test_hint_on_an_object_without_attributes_is_a_type_error() -> None:
 def test_gil_bound_fn_runs_on_processes(
     auto_batch: lmc_batch.LMCacheBatchedStream,
 ) -> None:
-    """An unknown GIL-bound fn: the first stream runs here, the rest on workers."""
+    """An unknown GIL-bound fn, with the pool running: the measured stream
+    runs in a worker, and so does every other one; none runs here."""
     report = auto_batch.modify(python_loop)
-    pids = _pids(auto_batch)
-    assert pids[0] == os.getpid()
-    assert os.getpid() not in pids[1:]
+    assert os.getpid() not in _pids(auto_batch)
     config = _config(report)
     assert config["executor"] == "auto"
     assert config["executor_chosen"] == "process"
@@ -225,30 +229,18 @@ def test_gil_bound_fn_runs_on_processes(
 def test_gil_free_fn_runs_on_threads(
     auto_batch: lmc_batch.LMCacheBatchedStream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An unknown fn that releases the GIL runs on threads in this process
-    (but the one stream a running pool's idle worker took while the first
-    was measured)."""
+    """An unknown fn that waits without the GIL, with the pool running: the
+    first round (one stream per worker, the first measured) runs on the
+    workers; the streams not sent when the measurement came back run on
+    threads in this process."""
     monkeypatch.setattr(_auto, "physical_cores", lambda: 2)
-    report = auto_batch.modify(sleeper)
+    report = auto_batch.modify(first_quick)
     pids = _pids(auto_batch)
-    assert pids[0] == pids[2] == pids[3] == os.getpid()
+    executor = auto_batch.executor
+    assert isinstance(executor, AutoExecutor)
+    assert set(pids[:2]) <= set(executor.process.pids())
+    assert pids[2] == pids[3] == os.getpid()
     assert _config(report)["executor_chosen"] == "thread"
-
-
-class _InjectedWatch:
-    """Stands in for GilWatch: reports a fixed measurement of the block."""
-
-    def __init__(
-        self, wall_s: float, cpu: float, held: float, queued: float = 0.0
-    ) -> None:
-        self.wall_s, self.cpu_s, self.held = wall_s, wall_s * cpu, held
-        self.queued_s = wall_s * queued
-
-    def __enter__(self) -> _InjectedWatch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _inject(
@@ -258,11 +250,11 @@ def _inject(
     held: float,
     queued: float = 0.0,
 ) -> None:
-    """Make auto see this measurement on a 2-core machine."""
+    """Make auto see this measurement of its measured stream, on a 2-core
+    machine (the stream still runs; only its figures are replaced)."""
     monkeypatch.setattr(_auto, "physical_cores", lambda: 2)
-    monkeypatch.setattr(
-        _auto, "GilWatch", lambda: _InjectedWatch(wall_s, cpu, held, queued)
-    )
+    probe = GilProbe(wall_s, wall_s * cpu, wall_s * queued, held)
+    monkeypatch.setattr(_auto, "measurement", lambda outcome: probe)
 
 
 def quick(kv: np.ndarray, tokens: list[int]) -> Result:
@@ -278,9 +270,7 @@ def test_measured_gil_holding_fn_goes_to_processes(
     (issue #20)."""
     _inject(monkeypatch, wall_s=0.3, cpu=0.5, held=0.98)
     report = auto_batch.modify(quick)
-    pids = _pids(auto_batch)
-    assert pids[0] == os.getpid()
-    assert os.getpid() not in pids[1:]
+    assert os.getpid() not in _pids(auto_batch)
     assert _config(report)["executor_chosen"] == "process"
 
 
@@ -290,7 +280,7 @@ def test_measured_waiting_fn_goes_to_threads(
     """A fn measured waiting (no CPU, no GIL) runs on threads, which
     overlap its waits."""
     _inject(monkeypatch, wall_s=0.05, cpu=0.0, held=0.0)
-    report = auto_batch.modify(quick)
+    report = auto_batch.modify(first_quick)
     assert _pids(auto_batch)[2:] == [os.getpid()] * 2
     assert _config(report)["executor_chosen"] == "thread"
 
@@ -306,17 +296,53 @@ def test_time_queued_for_a_core_counts_as_cpu_not_as_waits(
     assert _config(report)["executor_chosen"] == "process"
 
 
-def test_a_running_pool_takes_streams_while_the_first_is_measured(
+def test_a_running_pool_measures_the_first_stream_in_a_full_round(
     auto_batch: lmc_batch.LMCacheBatchedStream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """While the first stream is measured here, the pool's other worker
-    runs the second, so the measurement costs the pool no round."""
+    """With the pool running, the measured stream runs in a worker while
+    the other worker runs the second: nothing runs alone (issue #20)."""
     _inject(monkeypatch, wall_s=0.05, cpu=0.0, held=0.0)
     auto_batch.modify(quick)
     pids = _pids(auto_batch)
     executor = auto_batch.executor
     assert isinstance(executor, AutoExecutor)
-    assert pids[1] in executor.process.pids()
+    assert set(pids[:2]) <= set(executor.process.pids())
+
+
+def test_the_measurement_comes_from_the_worker_that_ran_it(
+    auto_batch: lmc_batch.LMCacheBatchedStream,
+) -> None:
+    """The reason cites the measured stream's own figures, taken in its
+    worker: a fn spinning 80 ms there is seen holding the GIL for most of
+    a stream of at least 80 ms."""
+    report = auto_batch.modify(python_loop)
+    reason = _config(report)["executor_reason"]
+    took_ms = float(reason.split("a stream took ", 1)[1].split(" ms", 1)[0])
+    held = int(reason.split("holding the GIL ", 1)[1].split("%", 1)[0])
+    assert took_ms >= 80.0
+    assert held > 50
+
+
+def test_a_measured_job_reports_its_probe_wherever_it_runs(
+    store: SharedMemoryKVStore,
+) -> None:
+    """A job marked ``measure`` comes back with its GIL watch's figures
+    (whole run: retrieve, fn, store); an unmarked one without."""
+    engine = FakeEngine(store)
+    streams = [
+        lmc_stream.create_request(store, engine, list(range(i, i + 8)))
+        for i in range(2)
+    ]
+    for s in streams:
+        s.generate({})
+    spec, jobs = build_phase(streams, kind="modify", fn=python_loop)
+    jobs[0].measure = True
+    measured = run_job(spec, jobs[0], remote=False)
+    plain = run_job(spec, jobs[1], remote=False)
+    assert measured.error is None and measured.probe is not None
+    assert measured.probe.wall_s >= 0.08
+    assert measured.probe.held > 0.5
+    assert plain.probe is None
 
 
 def test_an_idle_pool_is_not_started_to_run_beside_the_measurement(

@@ -20,11 +20,14 @@ import pytest
 
 import lmcache_mp.batch as lmc_batch
 import lmcache_mp.stream as lmc_stream
+from lmcache_mp._core.phase import build_phase
 from lmcache_mp.errors import (
     LMCacheBatchedStreamError,
     LMCachePicklingError,
     PhaseTimeoutError,
 )
+from lmcache_mp.executors import PhaseRun
+from lmcache_mp.executors._process import ProcessExecutor
 from lmcache_mp.kv import SharedMemoryKVStore, connect
 from tests._fakes import FakeEngine, FileBarrierEngine
 from tests._scripts import all_gone, prefilled_batch_script
@@ -264,6 +267,51 @@ def test_max_in_flight_bounds_concurrent_edits(
         batch.prefill({})
         batch.modify(fn)
         assert {m.info for m in batch.modify_metrics.values()} == {1}
+
+
+def _run_held(
+    store: SharedMemoryKVStore, start_method: str, verdict: bool, **opts: Any
+) -> tuple[PhaseRun, list[str], list[int]]:
+    """Run a modify of 4 streams on a started pool with a hold that answers
+    ``verdict``; return the run, the job ids and the outcomes counted at
+    each question."""
+    with _batch(store, start_method) as batch:
+        batch.prefill({})
+        streams = list(batch.streams.values())
+        spec, jobs = build_phase(streams, kind="modify", fn=worker_pid)
+        executor = batch.executor
+        assert isinstance(executor, ProcessExecutor)
+        asked: list[int] = []
+
+        def hold(run: PhaseRun) -> bool:
+            asked.append(len(run.outcomes))
+            return verdict
+
+        run = executor.run(spec, jobs, timeout=60, hold=hold, **opts)
+    return run, [job.stream_id for job in jobs], asked
+
+
+def test_a_hold_leaves_the_jobs_not_sent_yet_unrun(
+    store: SharedMemoryKVStore, start_method: str
+) -> None:
+    """A hold that says stop once the first outcome is back: with one job in
+    flight, the other three are never sent; they are named unrun, and have
+    no outcome (what auto uses to move them to threads, issue #20)."""
+    run, ids, asked = _run_held(store, start_method, True, max_in_flight=1)
+    assert asked == [1]
+    assert list(run.outcomes) == ids[:1]
+    assert run.unrun == ids[1:]
+
+
+def test_a_hold_that_says_go_on_is_not_asked_again(
+    store: SharedMemoryKVStore, start_method: str
+) -> None:
+    """A hold that decides to carry on at its first question: every job
+    runs, none is unrun, and it is asked once."""
+    run, ids, asked = _run_held(store, start_method, False)
+    assert len(asked) == 1
+    assert set(run.outcomes) == set(ids)
+    assert run.unrun == []
 
 
 def test_ctrl_c_stops_the_parent_and_every_worker(tmp_path: Any) -> None:

@@ -232,6 +232,40 @@ def test_non_contiguous_input_is_stored(ctx: KVStore) -> None:
     assert np.array_equal(got, kv)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_kv_strided_along_its_tokens_round_trips_bit_exactly(
+    ctx: KVStore, dtype: type
+) -> None:
+    """An edit's view keeping every other token (staged chunk by chunk,
+    issue #20) stores each chunk's own tokens, bit for bit."""
+    longer = list(range(500, 500 + 6 * C))
+    kv = kv_of(longer, dtype=dtype)[:, :, ::2]
+    kept = longer[::2]
+    assert ctx.store(kv, kept)
+    got = ctx.retrieve(kept)
+    assert got is not None
+    assert np.array_equal(bits(got), bits(np.ascontiguousarray(kv)))
+
+
+def test_threads_storing_strided_kvs_at_once_keep_their_own_chunks(
+    ctx: KVStore,
+) -> None:
+    """Eight threads store strided KVs at once; each prefix comes back with
+    its own values (each thread stages its chunks apart)."""
+
+    def store(i: int) -> list[int]:
+        tokens = list(range(1000 * (i + 1), 1000 * (i + 1) + 8 * C))
+        ctx.store(kv_of(tokens)[:, :, ::2], tokens[::2])
+        return tokens
+
+    with ThreadPoolExecutor(8) as pool:
+        stored = list(pool.map(store, range(8)))
+    for tokens in stored:
+        got = ctx.retrieve(tokens[::2])
+        assert got is not None
+        assert np.array_equal(got, kv_of(tokens)[:, :, ::2])
+
+
 def test_retrieve_returns_a_new_contiguous_array(ctx: KVStore) -> None:
     """Writing into a retrieved array does not change the stored chunks."""
     ctx.store(kv_of(TOKENS), TOKENS)

@@ -14,6 +14,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
@@ -341,3 +342,27 @@ def test_default_capacity_is_what_the_store_can_hold(
     usage = SimpleNamespace(free=int(disk * gib))
     monkeypatch.setattr(_capacity.shutil, "disk_usage", lambda path: usage)
     assert _capacity.default_capacity("/dev/shm") == int(expected * gib)
+
+
+def test_threads_storing_at_once_never_take_a_handle_past_capacity(
+    stores: StoreFactory,
+) -> None:
+    """Sixteen threads of one process store a chunk each at once into a
+    store with room for four: older chunks are evicted, and a store whose
+    room other writes under way hold is refused (KVCapacityError); the
+    chunks left never exceed the capacity (issue #20)."""
+    ctx = stores.connect(chunk_size=C, capacity_bytes=4 * CHUNK)
+    start = threading.Barrier(16)
+
+    def store(i: int) -> bool:
+        tokens = list(range(1000 * (i + 1), 1000 * (i + 1) + C))
+        start.wait(timeout=30)
+        try:
+            return ctx.store(kv_for(tokens), tokens)
+        except KVCapacityError:
+            return False
+
+    with ThreadPoolExecutor(16) as pool:
+        stored = list(pool.map(store, range(16)))
+    assert any(stored)
+    assert ctx.stats().bytes <= ctx.capacity_bytes

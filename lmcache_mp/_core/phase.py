@@ -21,6 +21,7 @@ from lmcache_mp._core.records import (
     StreamState,
 )
 from lmcache_mp._core.streambase import StreamBase
+from lmcache_mp._util.gilwatch import GilProbe
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError, LMCacheBatchedStreamError
 from lmcache_mp.kv import KVContext
@@ -79,6 +80,9 @@ class StreamJob:
         state: A copy of its state before the phase.
         others: Its other kinds' contexts: ``(kind, index)`` pairs.
         kinds: Whether its modify fn takes ``{kind: tensor}`` (0.5.6).
+        measure: Run it under a GIL watch and send the figures back in
+            ``StreamOutcome.probe`` (the stream ``executor="auto"``
+            measures, wherever it runs: issue #20).
     """
 
     stream_id: str
@@ -88,6 +92,7 @@ class StreamJob:
     state: StreamState
     others: tuple[tuple[LMCacheSDKCacheKind, int], ...] = ()
     kinds: bool = False
+    measure: bool = False
 
     def context_indices(self) -> tuple[int, ...]:
         """Indices of every context the stream uses, KV first."""
@@ -108,6 +113,8 @@ class StreamOutcome:
             raised it, when that was a worker.
         staged: A same-token edit staged in the store, to commit with the
             state (``.commit()``) or drop (``.discard()``).
+        probe: How the job ran (wall, CPU, GIL-held share), when it was
+            measured (``StreamJob.measure``), success or not.
     """
 
     stream_id: str
@@ -117,6 +124,7 @@ class StreamOutcome:
     error: BaseException | None = None
     traceback: str | None = None
     staged: Any = None
+    probe: GilProbe | None = None
 
     def discard_staged(self) -> None:
         """Drop the staged edit, if any; the cached KV stays as it was."""

@@ -19,7 +19,6 @@ from lmcache_mp.kv import KVContext, KVStore
 __all__ = ["TOY", "EvalEngine", "open_engine", "served_engine"]
 
 
-
 @dataclass(frozen=True)
 class EvalEngine:
     """An engine the eval drives, and what it needs of it.

@@ -39,6 +39,11 @@ _PRELOAD = (
     "lmcache_mp.bench._synthetic",
     "lmcache_mp.bench._unhinted",
 )
+#: What a bfloat16 KV adds: ml_dtypes, imported by the first phase that
+#: unpickles the store or the synthetic engine in a worker (0.6-1.2 s here
+#: on a busy machine). Under ``auto`` that is the modify phase, the
+#: prefill having run on threads: issue #20 timed it as auto's overhead.
+_PRELOAD_BF16 = ("ml_dtypes",)
 
 
 @dataclass
@@ -176,7 +181,11 @@ def run_once(
                 arg,
                 max_workers=config.workers,
                 mp_context=config.start_method,
-                preload=_PRELOAD if load is None else (*_PRELOAD, load),
+                preload=(
+                    *_PRELOAD,
+                    *(_PRELOAD_BF16 if config.dtype == "bfloat16" else ()),
+                    *(() if load is None else (load,)),
+                ),
             ) as batch,
         ):
             for prompt in config.prompts():

@@ -6,8 +6,11 @@ Data flow of a phase::
       generate: the engines' GIL hints ------------------------> choice
       modify:   fn digest seen before? -------------------------> choice
                 else fn hint gil_bound? ------------------------> processes
-                else run jobs[0] here under a GIL watch (a running
-                     pool's other workers take jobs[1:cores] meanwhile):
+                else run jobs[0] under a GIL watch:
+                     pool running: every job to the pool, jobs[0] first,
+                     a round in flight until its figures are back (the
+                     hold); a choice of threads takes the jobs not sent
+                     pool idle: jobs[0] alone here, the rest after it
                      seconds c, GIL-held share g --> cost model -> choice
       the other jobs --> ThreadExecutor | ProcessExecutor --> PhaseRun
                          (.executor and .reason say which and why)
@@ -16,25 +19,23 @@ Threads cost nothing to start and move no state through pipes, but run
 Python bytecode one stream at a time; processes run it on every core but
 pay a round trip per stream and, once per batch, the pool start. The
 first modify stream of an unknown fn is a real run (its outcome commits),
-measured on the caller's thread with one BLAS thread, as a worker would
-run it. The cost model (:func:`weigh`) counts the GIL-held share of a
-stream's wall time as serial on threads (issue #20).
+measured where a worker would run it: in one, when the pool runs (issue
+#20), else on the caller's thread with one BLAS thread. The cost model
+(:func:`~lmcache_mp.executors._cost.weigh`) counts the GIL-held share of
+a stream's wall time as serial on threads (issue #20).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import math
-import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from types import TracebackType
+from collections.abc import Sequence
 
 import cloudpickle
 
-from lmcache_mp._core.phase import PhaseSpec, StreamJob
+from lmcache_mp._core.phase import PhaseSpec, StreamJob, StreamOutcome
+from lmcache_mp._util.gilwatch import GilProbe
 from lmcache_mp.errors import LMCachePicklingError
 from lmcache_mp.executors._base import (
     PhaseExecutor,
@@ -42,192 +43,23 @@ from lmcache_mp.executors._base import (
     Preload,
     physical_cores,
 )
+from lmcache_mp.executors._cost import Choice, weigh
+from lmcache_mp.executors._dispatch import Hold
 from lmcache_mp.executors._process import ProcessExecutor
 from lmcache_mp.executors._thread import ThreadExecutor, limit_blas_while
 from lmcache_mp.executors._worker import run_job
 from lmcache_mp.hints import gil_hint
 
-__all__ = ["AutoExecutor", "Choice", "GilWatch", "queued_s", "weigh"]
+__all__ = ["AutoExecutor", "measurement"]
 
-#: Parent-side cost of one stream on the pool (task pickling, the result
-#: queue, the outcome): 0.3-1 ms measured here on 2 cores (issue #12).
-ROUND_TRIP_S = 1e-3
-#: Share of the cores threads reach on CPU work that releases the GIL:
-#: measured here at ~0.5 on 2 cores (``bench --compare``: threads ran the
-#: redundancy and stride edits no faster than one core, the GIL convoy on
-#: every store call) where processes reached 1.2-2x (issue #12).
-THREAD_EFFICIENCY = 0.5
 #: Pool start assumed before one was measured, by start method (measured
 #: here with the default preload: spawn 0.6-1.2 s, forkserver 0.4-0.8 s).
 _START_GUESS_S = {"spawn": 1.0, "forkserver": 0.6, "fork": 0.1}
 
 
-@dataclass(frozen=True)
-class Choice:
-    """The executor that runs a phase, and why.
-
-    Args:
-        executor: ``"thread"`` or ``"process"``.
-        reason: One sentence for the report.
-        threads_s: The cost model's estimate on threads (0: not weighed).
-        processes_s: Its estimate on processes (0: not weighed).
-    """
-
-    executor: str
-    reason: str
-    threads_s: float = 0.0
-    processes_s: float = 0.0
-
-
-def queued_s() -> float:
-    """Seconds the calling thread has waited, runnable, for a core.
-
-    Read from ``/proc/thread-self/schedstat`` (its second field, ns; Linux
-    with schedstats); 0.0 where there is no such file, so that the callers'
-    differences are 0.
-
-    Returns:
-        The thread's run-queue wait since it started.
-    """
-    try:
-        with open("/proc/thread-self/schedstat", encoding="ascii") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-class GilWatch:
-    """Measure how much a block of code holds the GIL.
-
-    A watcher thread naps in a loop; each time it wakes it needs the GIL.
-    While the watched thread runs bytecode, the watcher waits until the
-    interpreter forces a switch (``sys.getswitchinterval()``, 5 ms); while
-    it runs C code that released the GIL, the watcher gets it within the
-    timer's slack (~0.1 ms). The time spent in waits of over half a switch
-    interval, over the most it can be (a switch interval per nap), is the
-    GIL-held share; bytecode run in bursts shorter than that counts as
-    released.
-
-    On a machine busy with other processes the watched thread also waits
-    for a core (issue #20: load 5 on 2 cores); where Linux reports that
-    wait (``/proc/thread-self/schedstat``) it is ``queued_s``: CPU the
-    block wanted but did not get, not a wait that threads would overlap.
-    (Taking the watcher's own core waits out of its delays was tried: it
-    took out GIL handoffs too, and read a pure-Python loop as 20-90% held.)
-    """
-
-    _NAP_S = 1e-3
-
-    def __init__(self) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._blocked = 0.0
-        self._begin = 0.0
-        self._cpu_begin = 0.0
-        #: Seconds the block took (set on exit).
-        self.wall_s = 0.0
-        #: CPU seconds the watched thread used in it (set on exit).
-        self.cpu_s = 0.0
-        #: Seconds it waited for a core, runnable (set on exit; 0 where the
-        #: OS does not say).
-        self.queued_s = 0.0
-        self._queued_begin = 0.0
-
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            start = time.perf_counter()
-            time.sleep(self._NAP_S)
-            late = time.perf_counter() - start - self._NAP_S
-            # Half a switch interval late: it waited for the GIL. Less is
-            # the timer's slack or a busy core (seen up to ~1 ms here
-            # while other processes ran), not the watched thread.
-            if late > sys.getswitchinterval() / 2:
-                self._blocked += late
-
-    @property
-    def held(self) -> float:
-        """GIL-held share in ``[0, 1]``."""
-        if self.wall_s <= 0.0:
-            return 0.0
-        # Held throughout, the watcher waits a switch interval per nap.
-        switch = sys.getswitchinterval()
-        most = self.wall_s * switch / (switch + self._NAP_S)
-        return min(1.0, self._blocked / most)
-
-    def __enter__(self) -> GilWatch:
-        self._begin = time.perf_counter()
-        self._cpu_begin = time.thread_time()
-        self._queued_begin = queued_s()
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.wall_s = time.perf_counter() - self._begin
-        self.cpu_s = time.thread_time() - self._cpu_begin
-        self.queued_s = queued_s() - self._queued_begin
-        self._stop.set()
-        self._thread.join()
-
-
-def weigh(
-    seconds: float,
-    held: float,
-    rest: int,
-    cores: int,
-    start_s: float,
-    cpu: float = 1.0,
-) -> Choice:
-    """Pick the cheaper executor for ``rest`` streams like the measured one.
-
-    The GIL-held share is a share of the stream's *wall* time (what the
-    watch measures): that much of every stream runs one at a time on
-    threads, whatever the cores and whatever its CPU share (the holder may
-    be waiting for a core on a busy machine: the GIL stays held). Issue
-    #20 saw a fn holding the GIL 98% of the time estimated within 2% on
-    threads and processes, where the old model scaled the whole stream by
-    its CPU share and a GIL share floored by the cores. Of the rest, the
-    CPU work runs on the cores at ``THREAD_EFFICIENCY``, and the waits
-    (I/O, sleeps) overlap. Processes run whole streams on ``min(cores,
-    rest)`` workers, in rounds, plus a round trip per stream and the pool
-    start.
-
-    Args:
-        seconds: One stream's measured wall seconds on one core.
-        held: Its GIL-held share of ``seconds``, in ``[0, 1]``.
-        rest: Streams still to run.
-        cores: Cores available.
-        start_s: Seconds to start the pool first (0 when it runs or is
-            paid for by the batch's other phases).
-        cpu: Its CPU seconds over ``seconds`` (the rest it waited), in
-            ``[0, 1]``.
-
-    Returns:
-        The choice, with the estimates in its reason.
-    """
-    k = max(1, min(cores, rest))
-    held_s = seconds * held
-    # CPU work done without the GIL (numpy, BLAS, the store's copies).
-    free_cpu_s = min(seconds - held_s, max(0.0, seconds * cpu - held_s))
-    threads = max(
-        seconds,
-        rest * held_s + rest * free_cpu_s / max(1.0, k * THREAD_EFFICIENCY),
-    )
-    processes = math.ceil(rest / k) * seconds + rest * ROUND_TRIP_S + start_s
-    executor = "process" if processes < threads else "thread"
-    return Choice(
-        executor,
-        f"a stream took {seconds * 1e3:.1f} ms ({cpu:.0%} CPU) holding the "
-        f"GIL {held:.0%} of it: est. {threads * 1e3:.0f} ms on threads vs "
-        f"{processes * 1e3:.0f} ms on processes for the other {rest}"
-        + (f" (pool start {start_s:.2f} s)" if start_s else ""),
-        threads,
-        processes,
-    )
+def measurement(outcome: StreamOutcome | None) -> GilProbe | None:
+    """The figures a measured stream came back with (``None``: none came)."""
+    return None if outcome is None else outcome.probe
 
 
 def _fn_digest(spec: PhaseSpec) -> str | None:
@@ -350,51 +182,85 @@ class AutoExecutor(PhaseExecutor):
         timeout: float | None,
         max_in_flight: int | None,
     ) -> PhaseRun:
-        """Run the first job here, measured; the rest where it says.
+        """Run the first stream measured, and the rest where it says.
 
-        While the first job is measured, a running pool's other workers
-        are not left idle: they run one job each (``cores - 1`` jobs in
-        all), so that a fn that belongs on processes loses no round to the
-        measurement (issue #20: the lone probe made ``auto`` 1.25x slower
-        than the pool on a GIL-bound edit over 8 streams on 2 cores). The
-        pool is not started for them: a start would outlast the probe.
+        With the pool running, every stream goes to the pool, the measured
+        one first, a round at a time (one in flight per worker) until the
+        measurement is back, then as usual; a choice of threads takes the
+        streams not sent yet instead. Nothing runs alone while it is measured, and a fn
+        that belongs on processes loses nothing to it: issue #20 saw the
+        caller's lone measurement of one 512 MiB stream double a modify
+        phase that the pool runs in four rounds. Without a pool, the
+        measured stream runs alone on the caller's thread with one BLAS
+        thread, as a worker would: a start would outlast it, and threads
+        may be the choice. The measured stream is real work; its outcome
+        commits.
         """
-        cores = physical_cores()
-        ahead = jobs[1:cores] if self._process.pids() and len(jobs) > 2 else []
-        beside_choice = Choice("process", "run beside the measured stream")
-
-        def run_beside() -> PhaseRun:
-            if not ahead:
-                return PhaseRun()
-            return self._run_on(beside_choice, spec, ahead, timeout, max_in_flight)
-
         begin = time.perf_counter()
-        with (
-            _Background(run_beside) as beside,
-            limit_blas_while(cores),
-            GilWatch() as watch,
-        ):
-            first = run_job(spec, jobs[0], remote=False)
-        held = 0.0 if gil_hint(spec.fn) is False else watch.held
-        # Time spent queued for a core is CPU the stream needed (#20).
-        busy = watch.cpu_s + watch.queued_s
-        cpu = min(1.0, busy / watch.wall_s) if watch.wall_s > 0 else 1.0
-        rest = jobs[1 + len(ahead) :]
-        # Weighed for every other stream, as a later phase of the same fn
-        # (which reuses the choice) runs them all on it.
-        choice = weigh(
-            watch.wall_s, held, len(jobs) - 1, cores, self._pool_start_s(), cpu
+        first = dataclasses.replace(jobs[0], measure=True)
+        # The choice once the measured outcome is back (None: it came back
+        # without figures, its worker lost).
+        decided: list[Choice | None] = []
+
+        def decide(run: PhaseRun) -> Choice | None:
+            outcome = run.outcomes.get(first.stream_id)
+            if not decided and outcome is not None:
+                choice = self._weigh(spec, len(jobs), digest, outcome)
+                decided.append(choice)
+            return decided[0] if decided else None
+
+        def hold(run: PhaseRun) -> bool | None:
+            choice = decide(run)
+            return None if choice is None else choice.executor != "process"
+
+        if self._process.pids():
+            pool = Choice("process", "the pool runs the measured stream")
+            all_jobs = [first, *jobs[1:]]
+            run = self._run_on(pool, spec, all_jobs, timeout, max_in_flight, hold)
+            if run.executor != "process":
+                return run  # the phase could not reach the pool
+            unrun = set(run.unrun)
+            rest = [job for job in jobs if job.stream_id in unrun]
+        else:
+            with limit_blas_while(physical_cores()):
+                run = PhaseRun(
+                    outcomes={first.stream_id: run_job(spec, first, remote=False)}
+                )
+            rest = jobs[1:]
+        # A worker that died before reporting: nothing learnt, nothing kept.
+        choice = decide(run) or Choice(
+            "process" if self._process.pids() else "thread",
+            "the measured stream did not report",
         )
-        if first.error is None:
-            self._decisions[digest] = choice
-        run = beside.result
         if rest:
             spent = time.perf_counter() - begin
             left = None if timeout is None else max(0.0, timeout - spent)
             run = _merged(run, self._run_on(choice, spec, rest, left, max_in_flight))
-        run.outcomes = {first.stream_id: first, **run.outcomes}
         run.executor, run.reason = choice.executor, choice.reason
         return run
+
+    def _weigh(
+        self, spec: PhaseSpec, n_jobs: int, digest: str, outcome: StreamOutcome
+    ) -> Choice | None:
+        """The choice for a phase's other streams from its measured one's
+        outcome; kept for the fn when that stream succeeded."""
+        probe = measurement(outcome)
+        if probe is None:
+            return None
+        held = 0.0 if gil_hint(spec.fn) is False else probe.held
+        # Weighed for every other stream, as a later phase of the same fn
+        # (which reuses the choice) runs them all on it.
+        choice = weigh(
+            probe.wall_s,
+            held,
+            n_jobs - 1,
+            physical_cores(),
+            self._pool_start_s(),
+            probe.cpu,
+        )
+        if outcome.error is None:
+            self._decisions[digest] = choice
+        return choice
 
     def _run_on(
         self,
@@ -403,12 +269,19 @@ class AutoExecutor(PhaseExecutor):
         jobs: list[StreamJob],
         timeout: float | None,
         max_in_flight: int | None,
+        hold: Hold | None = None,
     ) -> PhaseRun:
-        inner: PhaseExecutor = self._process
-        if choice.executor == "thread":
-            inner = self._thread
         try:
-            run = inner.run(spec, jobs, timeout=timeout, max_in_flight=max_in_flight)
+            if choice.executor == "thread":
+                inner: PhaseExecutor = self._thread
+                run = inner.run(
+                    spec, jobs, timeout=timeout, max_in_flight=max_in_flight
+                )
+            else:
+                inner = self._process
+                run = self._process.run(
+                    spec, jobs, timeout=timeout, max_in_flight=max_in_flight, hold=hold
+                )
         except LMCachePicklingError as exc:
             # A context or engine that cannot reach a worker still runs
             # here; nothing was sent, so no stream has run yet.
@@ -420,41 +293,6 @@ class AutoExecutor(PhaseExecutor):
         run.executor, run.reason = choice.executor, choice.reason
         run.workers = self._process.workers if inner is self._process else len(jobs)
         return run
-
-
-class _Background:
-    """Run a phase on a helper thread for the length of a ``with`` block.
-
-    ``result`` is its :class:`PhaseRun` once the block has exited (the
-    exit waits for it); an exception it raised is raised there.
-    """
-
-    def __init__(self, fn: Callable[[], PhaseRun]) -> None:
-        self._fn = fn
-        self._thread = threading.Thread(target=self._main, daemon=True)
-        self._error: BaseException | None = None
-        self.result = PhaseRun()
-
-    def _main(self) -> None:
-        try:
-            self.result = self._fn()
-        except BaseException as exc:  # re-raised in the caller's thread
-            self._error = exc
-
-    def __enter__(self) -> _Background:
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        # Bounded by the phase's timeout, which the helper's run honours.
-        self._thread.join()
-        if self._error is not None and exc is None:
-            raise self._error
 
 
 def _merged(first: PhaseRun, second: PhaseRun) -> PhaseRun:

@@ -54,6 +54,7 @@ class PhaseRun:
         executor: The executor ``"auto"`` chose (``""`` for the others).
         reason: Why it chose it.
         workers: Workers or threads the chosen executor ran (``"auto"``).
+        unrun: Streams a ``hold`` of the run left unrun (none were sent).
     """
 
     outcomes: dict[str, StreamOutcome] = field(default_factory=dict)
@@ -64,6 +65,7 @@ class PhaseRun:
     executor: str = ""
     reason: str = ""
     workers: int = 0
+    unrun: list[str] = field(default_factory=list)
 
 
 def timeout_outcome(job: StreamJob, timeout: float | None) -> StreamOutcome:

@@ -18,7 +18,7 @@ import sys
 import time
 import types
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -37,7 +37,15 @@ from lmcache_mp.executors._base import PhaseExecutor, PhaseRun, timeout_outcome
 from lmcache_mp.executors._claims import Claims, FileClaims
 from lmcache_mp.executors._worker import ShardTask, run_shard
 
-__all__ = ["JOIN_TIMEOUT", "ShardExecutor", "fail_all", "pickle_spec"]
+__all__ = ["JOIN_TIMEOUT", "Hold", "ShardExecutor", "fail_all", "pickle_spec"]
+
+#: Asked with the phase's figures so far each time outcomes come back while
+#: jobs wait to be sent, until it decides: ``None`` (not yet: at most one
+#: task per worker stays in flight, so that a stop leaves the most jobs
+#: unsent), ``False`` (send the rest as usual) or ``True`` (leave them
+#: unrun, named in ``PhaseRun.unrun``). How ``executor="auto"`` stops a
+#: measured phase that belongs on threads (issue #20).
+Hold = Callable[[PhaseRun], bool | None]
 
 #: Times a phase rebuilds a broken pool before failing what is left.
 _MAX_ROUNDS = 3
@@ -203,8 +211,23 @@ class ShardExecutor(PhaseExecutor):
         *,
         timeout: float | None = None,
         max_in_flight: int | None = None,
+        hold: Hold | None = None,
     ) -> PhaseRun:
-        """Run the jobs in worker processes; see :meth:`PhaseExecutor.run`."""
+        """Run the jobs in worker processes; see :meth:`PhaseExecutor.run`.
+
+        Args:
+            spec: As :meth:`PhaseExecutor.run`.
+            jobs: As :meth:`PhaseExecutor.run`.
+            timeout: As :meth:`PhaseExecutor.run`.
+            max_in_flight: As :meth:`PhaseExecutor.run`.
+            hold: Stop sending jobs once it says so; see :data:`Hold`.
+
+        Returns:
+            As :meth:`PhaseExecutor.run`.
+
+        Raises:
+            LMCachePicklingError: If the phase cannot be shipped to workers.
+        """
         result = PhaseRun()
         if not jobs:
             return result
@@ -243,6 +266,7 @@ class ShardExecutor(PhaseExecutor):
                     timeout,
                     max_in_flight,
                     result,
+                    hold,
                 )
                 if not lost:
                     break
@@ -282,6 +306,7 @@ class ShardExecutor(PhaseExecutor):
         timeout: float | None,
         max_in_flight: int | None,
         result: PhaseRun,
+        hold: Hold | None = None,
     ) -> list[int]:
         """Submit the pending jobs and collect outcomes.
 
@@ -297,7 +322,8 @@ class ShardExecutor(PhaseExecutor):
         running: dict[Future[list[bytes]], list[int]] = {}
         lost: list[int] = []
         while (queue or running) and not lost:
-            while queue and len(running) < limit:
+            cap = limit if hold is None else min(limit, workers)
+            while queue and len(running) < cap:
                 nos = queue.popleft()
                 task = dataclasses.replace(
                     template, jobs=[jobs[no] for no in nos], job_nos=nos
@@ -324,6 +350,14 @@ class ShardExecutor(PhaseExecutor):
                 return []
             for future in done:
                 lost += self._collect(future, running.pop(future), jobs, result)
+            verdict = None
+            if queue and not lost and hold is not None:
+                verdict = hold(result)
+            if verdict is not None:
+                hold = None
+            if verdict:
+                result.unrun += [jobs[no].stream_id for nos in queue for no in nos]
+                queue.clear()
         if lost:
             # A broken pool fails every pending future at once; keep the
             # outcomes that made it back before the break.

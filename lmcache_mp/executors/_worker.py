@@ -24,6 +24,7 @@ import cloudpickle
 
 from lmcache_mp._core.phase import PhaseSpec, StreamJob, StreamOutcome
 from lmcache_mp._core.streambase import StreamBase
+from lmcache_mp._util.gilwatch import GilWatch
 from lmcache_mp.errors import (
     LMCachePicklingError,
     LMCacheStreamError,
@@ -158,8 +159,19 @@ def run_job(spec: PhaseSpec, job: StreamJob, *, remote: bool) -> StreamOutcome:
             survive pickling, so a worker must send it as text).
 
     Returns:
-        The new state and figures, or the error.
+        The new state and figures, or the error; for a measured job
+        (``job.measure``), with the GIL watch's figures of the whole run
+        (retrieve, fn and store) in ``probe``.
     """
+    if not job.measure:
+        return _run_stream(spec, job, remote)
+    with GilWatch() as watch:
+        outcome = _run_stream(spec, job, remote)
+    outcome.probe = watch.probe()
+    return outcome
+
+
+def _run_stream(spec: PhaseSpec, job: StreamJob, remote: bool) -> StreamOutcome:
     stream = StreamBase(
         spec.contexts[job.ctx_index],
         spec.engines[job.engine_index],

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["contiguous", "empty_kv"]
+__all__ = ["contiguous", "empty_kv", "scratch"]
 
 # Below this, a mapping costs more than the page faults it saves.
 _MIN_MAPPED = 4 << 20
@@ -66,6 +66,30 @@ def _new_region(nbytes: int) -> mmap.mmap:
 
 
 _POOL = _Pool()
+
+
+_SCRATCH = threading.local()
+
+
+def scratch(nbytes: int) -> npt.NDArray[np.uint8]:
+    """The calling thread's scratch buffer, at least ``nbytes`` long.
+
+    One buffer per thread, reused by its next call (its pages stay
+    touched): what a store stages one chunk of a strided KV in, where a
+    copy of the whole KV would fault in hundreds of MiB of new memory per
+    stored stream (issue #20). The caller is done with it before its
+    thread asks again.
+
+    Args:
+        nbytes: Bytes wanted.
+
+    Returns:
+        ``nbytes`` of the buffer (grown when too small).
+    """
+    buf: npt.NDArray[np.uint8] | None = getattr(_SCRATCH, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _SCRATCH.buf = np.empty(nbytes, np.uint8)
+    return buf[:nbytes]
 
 
 def empty_kv(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:

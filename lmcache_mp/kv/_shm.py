@@ -22,11 +22,9 @@ from lmcache_mp.kv._chunk import (
     chunk_file_size,
     chunk_views,
     read_chunk,
-    write_chunk,
 )
 from lmcache_mp.kv._common import (
     StoreHandle,
-    as_bytes,
     capacity_error,
     check_positive,
     kv_layout,
@@ -44,10 +42,11 @@ from lmcache_mp.kv._files import (
 )
 from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._layout import Layout, load_layout, publish_layout
-from lmcache_mp.kv._pinfiles import clear_evicted, live_pins, write_pin
+from lmcache_mp.kv._pinfiles import live_pins, write_pin
 from lmcache_mp.kv._pins import current_scope
 from lmcache_mp.kv._recycle import list_free, retire, retire_replaced
 from lmcache_mp.kv._shm_pins import FilePins
+from lmcache_mp.kv._shm_writes import write_chunks
 from lmcache_mp.kv._staged import StagedChunks
 from lmcache_mp.kv._stats import Counters, StoreStats
 
@@ -414,30 +413,19 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
                 self._usage.capacity,
                 "Raise it with connect(url, capacity_bytes=...)",
             )
-        raw = as_bytes(arr, layout)
-        moves = []
-        free = [entry.name for entry in list_free(fd)]
-        for index in missing + rewrite:
-            views = chunk_views(raw, index * size, (index + 1) * size)
-            try:
-                tmp = write_chunk(
-                    fd,
-                    names[index],
-                    keys[index],
-                    views,
-                    layout,
-                    size,
-                    publish=publish,
-                    free=free,
-                )
-            except OSError as exc:
-                raise KVStoreError(
-                    f"{self._path}/{names[index]}: cannot write chunk: {exc}"
-                ) from exc
-            self._counts.add(writes=1)
-            clear_evicted(fd, names[index])
-            if not publish:
-                moves.append((tmp, names[index]))
+        try:
+            moves = write_chunks(
+                fd,
+                self._path,
+                self._counts,
+                arr,
+                layout,
+                size,
+                [(i, names[i], keys[i]) for i in missing + rewrite],
+                publish,
+            )
+        finally:
+            self._usage.written(len(missing) * file_size)
         return True, moves
 
     def sweep(self) -> int:
