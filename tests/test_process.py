@@ -314,23 +314,47 @@ def test_a_hold_that_says_go_on_is_not_asked_again(
     assert run.unrun == []
 
 
-def test_ctrl_c_stops_the_parent_and_every_worker(tmp_path: Any) -> None:
-    """SIGINT to the parent during a phase: it exits within seconds and no worker survives."""
+#: Source that, once a line arrives on stdin, sends SIGINT to the thread
+#: reading it rather than to the main thread, as the kernel may do with a
+#: process-directed signal.
+_SIGINT_ON_A_LINE = """
+import signal, threading
+def _interrupt():
+    sys.stdin.readline()
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+threading.Thread(target=_interrupt, daemon=True).start()
+"""
+
+
+@pytest.mark.parametrize("taken_by", ["main thread", "another thread"])
+def test_ctrl_c_stops_the_parent_and_every_worker(tmp_path: Any, taken_by: str) -> None:
+    """SIGINT to the parent during a phase: it exits within seconds and no
+    worker survives, whichever of its threads the signal is delivered to."""
     pidfile = tmp_path / "pids"
     script = prefilled_batch_script(
-        pidfile, "batch.modify(lambda kv, t: (time.sleep(60), (kv, t))[1])\n"
+        pidfile,
+        _SIGINT_ON_A_LINE
+        + "batch.modify(lambda kv, t: (time.sleep(60), (kv, t))[1])\n",
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)
+        if taken_by == "main thread":
+            proc.send_signal(signal.SIGINT)
+        else:
+            assert proc.stdin is not None
+            proc.stdin.write("\n")
+            proc.stdin.flush()
         proc.wait(timeout=15)
     finally:
         proc.kill()
-        proc.wait(timeout=15)
+        proc.communicate(timeout=15)
     pids = [int(p) for p in pidfile.read_text().split()]
     assert len(pids) == 2 and all_gone(pids)
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Collection
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from lmcache_mp._core.phase import PhaseSpec, StreamJob, StreamOutcome
 from lmcache_mp.errors import PhaseTimeoutError
@@ -24,11 +26,19 @@ __all__ = [
     "Preload",
     "physical_cores",
     "timeout_outcome",
+    "wait_interruptibly",
 ]
 
 #: What a worker preloads as it starts: a module to import, or a callable
 #: to call (it must pickle, e.g. a bound method of a picklable engine).
 Preload: TypeAlias = str | Callable[[], object]
+
+#: The longest the parent blocks on its futures in one call. The kernel may
+#: hand a process-directed signal (Ctrl-C's SIGINT) to any thread, and a
+#: main thread blocked on a lock does not wake for a signal another thread
+#: took: waking this often lets the KeyboardInterrupt through (a CI run of
+#: test_ctrl_c_stops_the_parent_and_every_worker hung on it).
+_POLL_S = 0.25
 
 #: The executor names ``LMCacheBatchedStream(executor=...)`` accepts.
 EXECUTOR_NAMES = ("auto", "process", "serial", "thread")
@@ -75,6 +85,34 @@ def timeout_outcome(job: StreamJob, timeout: float | None) -> StreamOutcome:
         f"{timeout:g}s ran out; it keeps its previous state"
     )
     return StreamOutcome(job.stream_id, error=error)
+
+
+def wait_interruptibly(
+    futures: Collection[Future[Any]],
+    timeout: float | None,
+    return_when: str = ALL_COMPLETED,
+) -> set[Future[Any]]:
+    """``concurrent.futures.wait`` that a signal interrupts within
+    ``_POLL_S`` seconds, whichever thread the kernel handed it to.
+
+    Args:
+        futures: The futures to wait for.
+        timeout: Seconds to wait at most; ``None`` for no limit.
+        return_when: ``ALL_COMPLETED`` or ``FIRST_COMPLETED``.
+
+    Returns:
+        The futures done when it returned.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        step = _POLL_S
+        if deadline is not None:
+            step = min(step, max(0.0, deadline - time.monotonic()))
+        done, not_done = wait(futures, timeout=step, return_when=return_when)
+        if not not_done or (done and return_when == FIRST_COMPLETED):
+            return done
+        if deadline is not None and time.monotonic() >= deadline:
+            return done
 
 
 class PhaseExecutor(abc.ABC):

@@ -19,7 +19,7 @@ import time
 import types
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Executor, Future
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -33,7 +33,12 @@ from lmcache_mp.errors import (
     RemoteTraceback,
     TerminatedWorkerError,
 )
-from lmcache_mp.executors._base import PhaseExecutor, PhaseRun, timeout_outcome
+from lmcache_mp.executors._base import (
+    PhaseExecutor,
+    PhaseRun,
+    timeout_outcome,
+    wait_interruptibly,
+)
 from lmcache_mp.executors._claims import Claims, FileClaims
 from lmcache_mp.executors._worker import ShardTask, run_shard
 
@@ -339,7 +344,7 @@ class ShardExecutor(PhaseExecutor):
             remaining = (
                 None if deadline is None else max(0.0, deadline - time.monotonic())
             )
-            done, _ = wait(running, timeout=remaining, return_when=FIRST_COMPLETED)
+            done = wait_interruptibly(running, remaining, FIRST_COMPLETED)
             if not done and not lost:
                 for nos in [*running.values(), *queue]:
                     for no in nos:
@@ -361,7 +366,7 @@ class ShardExecutor(PhaseExecutor):
         if lost:
             # A broken pool fails every pending future at once; keep the
             # outcomes that made it back before the break.
-            done, _ = wait(running, timeout=JOIN_TIMEOUT)
+            done = wait_interruptibly(running, JOIN_TIMEOUT)
             for future, nos in running.items():
                 lost += (
                     self._collect(future, nos, jobs, result) if future in done else nos

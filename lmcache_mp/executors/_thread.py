@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from lmcache_mp._core.phase import PhaseSpec, StreamJob, StreamOutcome
 from lmcache_mp.executors._base import (
@@ -13,6 +13,7 @@ from lmcache_mp.executors._base import (
     PhaseRun,
     physical_cores,
     timeout_outcome,
+    wait_interruptibly,
 )
 from lmcache_mp.executors._worker import run_job
 
@@ -102,7 +103,7 @@ class ThreadExecutor(PhaseExecutor):
                 futures: dict[Future[StreamOutcome], StreamJob] = {
                     pool.submit(run_job, spec, job, remote=False): job for job in jobs
                 }
-                done, _ = wait(futures, timeout=timeout)
+                done = wait_interruptibly(futures, timeout)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         for future, job in futures.items():
