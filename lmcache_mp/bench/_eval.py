@@ -20,11 +20,10 @@ import time
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from lmcache_mp import request
 from lmcache_mp.batch import LMCacheBatchedStream
-from lmcache_mp.bench._agreement import kl_divergence, top1_agreement
+from lmcache_mp.bench._agreement import Reference, agreement, top1_agreement
 from lmcache_mp.bench._eval_config import EvalConfig
 from lmcache_mp.bench._eval_engine import EvalEngine, open_engine, served_engine
 from lmcache_mp.bench._eval_prompts import (
@@ -45,7 +44,6 @@ _GREEDY = {"temperature": 0.0, "ignore_eos": True}
 #: random's defaults protect 256 tokens at each end, the whole of the eval's
 #: prompts, so here it is a uniformly random subset (kvpress's RandomPress).
 EDIT_PARAMS: dict[str, dict[str, Any]] = {"random": {"keep_first": 0, "keep_last": 0}}
-_F32 = npt.NDArray[np.float32]
 
 
 def _copy(ctx: KVStore, prompt: list[int], salt: str) -> None:
@@ -76,8 +74,7 @@ class _Eval:
             config.prompts, config.haystack_lines, config.seed
         )
         self.haystacks = [model.encode(p.text) for p in self.passkeys]
-        self.references: list[list[int]] = []
-        self.reference_logprobs: list[_F32] = []
+        self.reference = Reference([], [])
         self.streams: dict[str, request.LMCacheRequestStream] = {}
 
     def _add(
@@ -110,7 +107,7 @@ class _Eval:
             )
         )
 
-    def reference(self) -> EvalRow:
+    def uncompressed(self) -> EvalRow:
         """Run the uncompressed batch; its row (keep 1)."""
         docs = self._add(self.batch, self.documents, "", len(self.contexts))
         keys = self._add(self.batch, self.haystacks, "", len(self.contexts))
@@ -120,17 +117,17 @@ class _Eval:
         passkey = self._passkey(keys)
         for sid, prompt in zip(docs, self.documents, strict=True):
             ref = list(self.streams[sid].output_tokens)
-            self.references.append(ref)
-            self.reference_logprobs.append(self.model.engine.score(prompt, ref, ""))
-        agreement = np.concatenate(
+            self.reference.tokens.append(ref)
+            self.reference.logprobs.append(self.model.engine.score(prompt, ref, ""))
+        hits = np.concatenate(
             [
                 top1_agreement(lp, ref)
                 for lp, ref in zip(
-                    self.reference_logprobs, self.references, strict=True
+                    self.reference.logprobs, self.reference.tokens, strict=True
                 )
             ]
         )
-        return EvalRow("none", 1.0, 1.0, float(agreement.mean()), 0.0, passkey)
+        return EvalRow("none", 1.0, 1.0, float(hits.mean()), 0.0, passkey)
 
     def variant(self, name: str, keep: float) -> EvalRow:
         """Run one edit at one keep; its row."""
@@ -148,17 +145,10 @@ class _Eval:
             [len(c) / len(p) for c, p in zip(contexts, prompts, strict=True)]
         )
         passkey = self._passkey(keys)
-        hits, kls = [], []
         # The documents' streams come first.
-        for context, ref, ref_lp in zip(
-            contexts[: len(docs)],
-            self.references,
-            self.reference_logprobs,
-            strict=True,
-        ):
-            logprobs = self.model.engine.score(context, ref, salt)
-            hits.append(top1_agreement(logprobs, ref))
-            kls.append(kl_divergence(ref_lp, logprobs))
+        agreed = agreement(
+            self.model.engine, contexts[: len(docs)], self.reference, salt
+        )
         thread_s = modify_s
         if self.batch.executor.name != "thread":
             t_docs, t_keys = self._fresh(self.threads, f"{salt}/thread", kinds)
@@ -167,8 +157,8 @@ class _Eval:
             name,
             keep,
             float(kept),
-            float(np.concatenate(hits).mean()),
-            float(np.concatenate(kls).mean()),
+            agreed["top1"],
+            agreed["kl"],
             passkey,
             modify_s,
             thread_s,
@@ -265,7 +255,7 @@ def evaluate(config: EvalConfig | None = None, **overrides: Any) -> EvalResult:
         ):
             run = _Eval(config, model, contexts, batch, threads)
             with ProgressLine("[eval] uncompressed"):
-                rows = [run.reference()]
+                rows = [run.uncompressed()]
             for name in config.edits:
                 for keep in config.keeps:
                     with ProgressLine(f"[eval] {name} keep {keep:g}"):
