@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -45,7 +45,7 @@ __all__ = [
 
 #: How the client asks for the prompt's log-probabilities.
 ScoreSource = Literal["prompt_logprobs", "echo"]
-SCORE_SOURCES: tuple[str, ...] = ("prompt_logprobs", "echo")
+SCORE_SOURCES: tuple[str, ...] = get_args(ScoreSource)
 TOKEN_ID_PREFIX = "token_id:"
 #: The probability mass left to the tokens a server did not list, at least:
 #: keeps every filled-in log-probability finite when the listed tokens'

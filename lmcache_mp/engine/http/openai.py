@@ -30,7 +30,7 @@ import json
 import operator
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -66,7 +66,7 @@ __all__ = [
 
 #: How the client asks the server for the generated token ids.
 TokenIdSource = Literal["return_token_ids", "logprobs"]
-_SOURCES: tuple[str, ...] = ("return_token_ids", "logprobs")
+_SOURCES: tuple[str, ...] = get_args(TokenIdSource)
 #: Request fields the client sets itself.
 _RESERVED = ("model", "prompt", "stream")
 _ROUTE = "/v1/completions"
