@@ -366,3 +366,20 @@ def test_threads_storing_at_once_never_take_a_handle_past_capacity(
         stored = list(pool.map(store, range(16)))
     assert any(stored)
     assert ctx.stats().bytes <= ctx.capacity_bytes
+
+
+def test_a_listing_while_another_is_half_read_sees_every_chunk(
+    stores: StoreFactory,
+) -> None:
+    """A handle lists its store through a descriptor of its own: a listing
+    of the handle's directory left half read (another thread's) does not
+    move it past chunks, which would leave them out of the capacity count
+    (issue #20: os.scandir on the shared descriptor saw none of them)."""
+    ctx = stores.connect(chunk_size=C)
+    for i in range(3):
+        tokens = list(range(100 * i, 100 * i + C))
+        ctx.store(kv_for(tokens), tokens)
+    assert isinstance(ctx, SharedMemoryKVStore)
+    with os.scandir(ctx._dir_fd()) as other:
+        next(other)
+        assert ctx.stats().chunks == 3

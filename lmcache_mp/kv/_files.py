@@ -7,11 +7,13 @@ replacing the path afterwards cannot redirect reads and writes elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
 import stat
 import time
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import psutil
@@ -29,6 +31,7 @@ __all__ = [
     "open_store_dir",
     "remove_stale_temps",
     "remove_tree",
+    "scan_dir",
     "temp_name",
 ]
 
@@ -132,7 +135,7 @@ def remove_stale_temps(dir_fd: int) -> int:
     """
     removed = 0
     now = time.time()
-    with os.scandir(dir_fd) as entries:
+    with scan_dir(dir_fd) as entries:
         for entry in entries:
             if not entry.name.startswith(TEMP_PREFIX):
                 continue
@@ -148,13 +151,33 @@ def remove_stale_temps(dir_fd: int) -> int:
     return removed
 
 
+@contextlib.contextmanager
+def scan_dir(dir_fd: int) -> Iterator[Iterator[os.DirEntry[str]]]:
+    """The entries of a store directory, read through a descriptor of their
+    own; stat them inside the ``with`` block (the descriptor closes after).
+
+    ``os.scandir(dir_fd)`` reads through a dup of ``dir_fd``, and dups share
+    one directory offset: two threads of a handle listing the store at once
+    each skipped the entries the other had read, so a chunk went uncounted
+    and a store past the capacity was let in (issue #20's capacity test
+    failed 1 run in 20).
+    """
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    fd = os.open(".", flags, dir_fd=dir_fd)
+    try:
+        with os.scandir(fd) as entries:
+            yield entries
+    finally:
+        os.close(fd)
+
+
 def list_chunks(dir_fd: int) -> list[ChunkEntry]:
     """List the chunk files of a store, skipping any that vanish meanwhile.
 
     Dot files (temp files, pins, eviction marks) are never chunks.
     """
     found = []
-    with os.scandir(dir_fd) as entries:
+    with scan_dir(dir_fd) as entries:
         for entry in entries:
             if entry.name.startswith(".") or not entry.name.endswith(CHUNK_SUFFIX):
                 continue

@@ -18,7 +18,7 @@ import contextlib
 import os
 from collections.abc import Iterable
 
-from lmcache_mp.kv._files import temp_name
+from lmcache_mp.kv._files import scan_dir, temp_name
 from lmcache_mp.kv._pins import PinOwner, same_process
 
 __all__ = [
@@ -74,7 +74,7 @@ def remove_pins(dir_fd: int, owner: PinOwner, stream_id: str | None = None) -> N
             os.unlink(_PIN + owner.tag(stream_id), dir_fd=dir_fd)
         return
     prefix = f"{_PIN}{owner.tag()}-"
-    with os.scandir(dir_fd) as entries:
+    with scan_dir(dir_fd) as entries:
         names = [e.name for e in entries if e.name.startswith(prefix)]
     for name in names:
         with contextlib.suppress(FileNotFoundError):
@@ -85,7 +85,7 @@ def live_pins(dir_fd: int) -> set[str]:
     """The chunk names pinned by live batches; remove dead batches' pins."""
     pinned: set[str] = set()
     alive: dict[tuple[int, int], bool] = {}
-    with os.scandir(dir_fd) as entries:
+    with scan_dir(dir_fd) as entries:
         pins = [e.name for e in entries if e.name.startswith(_PIN)]
     for pin in pins:
         owner = _owner_of(pin)
@@ -121,11 +121,12 @@ def mark_evicted(dir_fd: int, names: Iterable[str]) -> None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
     for name in names:
         os.close(os.open(_GONE + name, flags, 0o600, dir_fd=dir_fd))
-    with os.scandir(dir_fd) as entries:
+    with scan_dir(dir_fd) as entries:
         marks = [e for e in entries if e.name.startswith(_GONE)]
-    if len(marks) <= _MAX_MARKS:
-        return
-    for entry in sorted(marks, key=_mtime)[: len(marks) - _MAX_MARKS // 2]:
+        if len(marks) <= _MAX_MARKS:
+            return
+        oldest = sorted(marks, key=_mtime)[: len(marks) - _MAX_MARKS // 2]
+    for entry in oldest:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(entry.name, dir_fd=dir_fd)
 

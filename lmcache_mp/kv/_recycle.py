@@ -23,7 +23,7 @@ import os
 import secrets
 import stat
 
-from lmcache_mp.kv._files import ChunkEntry, temp_name
+from lmcache_mp.kv._files import ChunkEntry, scan_dir, temp_name
 
 __all__ = ["FREE_PREFIX", "claim", "list_free", "retire", "retire_replaced"]
 
@@ -52,7 +52,7 @@ def retire_replaced(dir_fd: int, tmp: str, name: str) -> None:
 def list_free(dir_fd: int) -> list[ChunkEntry]:
     """The free files of a store directory."""
     found = []
-    with os.scandir(dir_fd) as entries:
+    with scan_dir(dir_fd) as entries:
         for entry in entries:
             if not entry.name.startswith(FREE_PREFIX):
                 continue
