@@ -589,6 +589,21 @@ def test_without_serial_only_modify_has_a_per_stream_basis() -> None:
     assert phases["prefill"]["efficiency"] is None
 
 
+def test_an_edits_attention_config_is_json_data_and_one_short_line() -> None:
+    """An edit with an attention config (h2o) gives its fields as a JSON
+    mapping, and the report's edit line shows the 32 RoPE frequencies of a
+    model as their count (``--json`` failed on the dataclass)."""
+    runs = {"thread": _run("thread", dict.fromkeys(PHASES, 1.0), 1.0, 4)}
+    config = BenchConfig(executors=("thread",), edits=("h2o",), **TINY)
+    point = json.loads(json.dumps(point_figures(config, "h2o", None, [runs], cores=2)))
+    attention = point["edit_params"]["attention"]
+    assert attention["kv_heads"] == config.edit("h2o").attention.kv_heads
+    attention["inv_freq"] = [0.5] * 32  # a trained model's, e.g. SmolLM2's
+    line = format_point(point).splitlines()[0]
+    assert f"attention=(q_heads={attention['q_heads']}, " in line
+    assert "inv_freq=[32 values])" in line
+
+
 def test_auto_is_rated_against_the_better_of_threads_and_processes() -> None:
     """The notes give auto's and auto-unhinted's modify speed over the
     faster of thread and process (issue #20's goal: >= 0.95x)."""

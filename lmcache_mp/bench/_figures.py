@@ -216,9 +216,19 @@ def _total(run: RunFigures) -> float:
 
 
 def _edit_params(config: BenchConfig, edit: str) -> dict[str, Any]:
-    fn = config.edit(edit)
-    return {
-        f.name: list(value) if isinstance(value, tuple) else value
-        for f in dataclasses.fields(fn)
-        for value in [getattr(fn, f.name)]
-    }
+    """The edit's fields as JSON data (its attention config a mapping)."""
+    params = _plain(config.edit(edit))
+    assert isinstance(params, dict)
+    return params
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON data: a dataclass as a mapping of its fields, a
+    tuple as a list (an edit's ``AttentionConfig`` broke ``--json``)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+        }
+    if isinstance(value, (tuple, list)):
+        return [_plain(item) for item in value]
+    return value

@@ -12,6 +12,9 @@ from lmcache_mp.bench._figures import BASIS_SERIAL
 
 __all__ = ["format_header", "format_point"]
 
+# Lists in an edit's parameters longer than this show as their length.
+_LIST_SHOWN = 4
+
 _HEADERS = [
     "phase",
     "executor",
@@ -153,12 +156,26 @@ def format_header(result: dict[str, Any]) -> str:
 
 
 def _edit_line(point: dict[str, Any]) -> str:
-    params = ", ".join(f"{k}={v}" for k, v in point["edit_params"].items())
-    text = f"edit {point['edit']}({params})"
+    text = f"edit {point['edit']}{_params_text(point['edit_params'])}"
     if point["sweep_value"] is not None:
         sweep = point["config"]["sweep"]
         text = f"{sweep} = {point['sweep_value']}: {text}"
     return text
+
+
+def _params_text(params: dict[str, Any]) -> str:
+    """``(name=value, ...)``; a nested mapping likewise, a long list as its
+    length (a model's 32 RoPE frequencies filled a screen)."""
+    items = []
+    for name, value in params.items():
+        if isinstance(value, dict):
+            shown = _params_text(value)
+        elif isinstance(value, list) and len(value) > _LIST_SHOWN:
+            shown = f"[{len(value)} values]"
+        else:
+            shown = str(value)
+        items.append(f"{name}={shown}")
+    return f"({', '.join(items)})"
 
 
 def _first(point: dict[str, Any], phase: str, key: str) -> str:
