@@ -129,6 +129,7 @@ def test_no_flags_runs_the_default_config() -> None:
             "store",
             "redis://127.0.0.1:6379/0?prefix=b",
         ),
+        (["--arena", "1.5"], "arena_bytes", 3 << 29),
     ],
 )
 def test_each_flag_sets_its_field(flags: list[str], field: str, value: Any) -> None:
@@ -160,6 +161,11 @@ def test_each_flag_sets_its_field(flags: list[str], field: str, value: Any) -> N
             "head_dim is 7, expected an even number",
         ),
         (["--json", "/nonexistent-dir/x.json"], "/nonexistent-dir does not exist"),
+        (["--arena", "-1"], "--arena: expected GiB >= 0, got -1"),
+        (
+            ["--arena", "1", "--store", "redis://h:1/0"],
+            "arena_bytes is the shared-memory store's",
+        ),
         (["--scheduler", "dask://h:1"], "--scheduler is for the dask executor"),
         (["--ray-address", "h:1"], "--ray-address is for the ray executor"),
         (

@@ -72,6 +72,16 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _gib(text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GiB >= 0, got {text!r}") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected GiB >= 0, got {text}")
+    return int(value * (1 << 30))
+
+
 def _names(what: str, known: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
     """A parser of comma-separated names, each one of ``known``, no repeats."""
 
@@ -224,6 +234,16 @@ def add_bench_parser(
         "each run gets a fresh name under it (default: a temporary "
         "shared-memory store per run)",
     )
+    pool.add_argument(
+        "--arena",
+        type=_gib,
+        default=d.arena_bytes,
+        metavar="GIB",
+        dest="arena_bytes",
+        help="GiB of chunk files each run's shared-memory store allocates "
+        "before the phases, for its writes to fill instead of allocating "
+        "pages (counted against the capacity; default: 0, none)",
+    )
     out = p.add_argument_group("measuring and output")
     _int(out, "--repeat", 1, d.repeat, "runs per executor; shows median (min-max)")
     out.add_argument(
@@ -335,6 +355,7 @@ def config_from_args(
             chunk_size=args.chunk_size,
             seed=args.seed,
             store=args.store,
+            arena_bytes=args.arena_bytes,
             scheduler=args.scheduler,
             ray_address=args.ray_address,
             **dims,

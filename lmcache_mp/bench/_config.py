@@ -126,6 +126,9 @@ class BenchConfig:
         store: KV store URL (``redis://...``, ``shm:///NAME``); each run
             gets a fresh name under it and destroys it. ``None``: a fresh
             temporary shared-memory store per run.
+        arena_bytes: Bytes of chunk files each run's shared-memory store
+            allocates before the phases, for its writes to fill
+            (``connect(arena_bytes=...)``, issue #20); 0: none.
         scheduler: Dask scheduler address for ``dask`` (``None``: a local
             cluster per run, one worker per ``workers``).
         ray_address: Ray cluster address for ``ray`` (``None``: a local
@@ -165,6 +168,7 @@ class BenchConfig:
     chunk_size: int = 256
     seed: int = 0
     store: str | None = None
+    arena_bytes: int = 0
     scheduler: str | None = None
     ray_address: str | None = None
     shape: str | None = None
@@ -197,6 +201,13 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.seed must be an int, got {self.seed!r}")
         if self.seed < 0:
             raise ValueError(f"BenchConfig.seed must be >= 0, got {self.seed}")
+        arena = self.arena_bytes
+        if isinstance(arena, bool) or not isinstance(arena, int) or arena < 0:
+            raise ValueError(
+                f"BenchConfig.arena_bytes must be an int >= 0, got {arena!r}"
+            )
+        if arena and self.store is not None and self.store.startswith("redis"):
+            raise ValueError("BenchConfig.arena_bytes is the shared-memory store's")
         if not isinstance(self.engine, str) or not self.engine:
             raise ValueError(
                 f"BenchConfig.engine must name a model, {TOY!r} or "

@@ -160,6 +160,7 @@ def run_once(
         layers=config.layers,
         width=config.width,
         dtype=config.dtype,
+        arena_bytes=config.arena_bytes,
     )
     query_ctx = store.for_kind(LMCacheSDKCacheKind.QUERY) if scored else None
     fn: Any = edit

@@ -50,6 +50,7 @@ class _Options:
     chunk_size: int
     layout: Layout | None
     capacity_bytes: int | None
+    arena_bytes: int
 
 
 def _open_dir(
@@ -64,6 +65,7 @@ def _open_dir(
         chunk_size=options.chunk_size,
         capacity_bytes=capacity,
         owner=owner,
+        arena_bytes=options.arena_bytes,
     )
     try:
         store._attach(create=True, layout=options.layout)
@@ -96,6 +98,11 @@ def _open_redis(parts: SplitResult, url: str, options: _Options) -> RedisKVStore
         raise KVConfigError(
             "a Redis store's capacity is its server's maxmemory; set it there "
             "(CONFIG SET maxmemory BYTES), not with capacity_bytes"
+        )
+    if options.arena_bytes:
+        raise KVConfigError(
+            "arena_bytes is the shared-memory store's (files whose pages are "
+            "allocated ahead); a Redis server allocates its own memory"
         )
     store = RedisKVStore(url, chunk_size=options.chunk_size)
     store._attach(options.layout)
@@ -138,6 +145,7 @@ def connect(
     dtype: Any = ...,
     capacity_bytes: int | None = ...,
     kind: LMCacheSDKCacheKind = ...,
+    arena_bytes: int = ...,
 ) -> SharedMemoryKVStore: ...
 
 
@@ -151,6 +159,7 @@ def connect(
     dtype: Any = ...,
     capacity_bytes: int | None = ...,
     kind: LMCacheSDKCacheKind = ...,
+    arena_bytes: int = ...,
 ) -> KVStore: ...
 
 
@@ -163,6 +172,7 @@ def connect(
     dtype: Any = None,
     capacity_bytes: int | None = None,
     kind: LMCacheSDKCacheKind = LMCacheSDKCacheKind.KV,
+    arena_bytes: int = 0,
 ) -> KVStore:
     """Open a KV store: the embedded shared-memory one, or one on Redis.
 
@@ -187,20 +197,27 @@ def connect(
         width: ``D``, heads x head dim.
         dtype: ``float32``, ``float16`` or ``bfloat16`` (needs ml_dtypes).
         capacity_bytes: Chunk bytes kept before least recently used chunks
-            are evicted; default a quarter of the free RAM or of the free
-            space of the store's filesystem, whichever is smaller. Not for
-            Redis, whose ``maxmemory`` is the capacity.
+            are evicted; default what the store can really hold: the free
+            space of its filesystem, and no more than the available RAM
+            less a reserve for the processes. Not for Redis, whose
+            ``maxmemory`` is the capacity.
         kind: The tensor family of the returned context: ``KV`` or
             ``QUERY`` (the named store's query namespace, as
             :meth:`SharedMemoryKVStore.for_kind`; the layout arguments
             then fix that namespace's layout).
+        arena_bytes: Shared-memory KV only: bytes of chunk files whose
+            pages are allocated as soon as the layout is fixed (at once
+            when ``layers``, ``width`` and ``dtype`` are given), for stores
+            to fill instead of allocating pages as they write (2.6x faster
+            writes on tmpfs, issue #20). Counted as used; at most the
+            capacity; default 0.
 
     Returns:
         The store's context.
 
     Raises:
         KVConfigError: For an unsupported scheme or malformed URL, a bad
-            chunk size, capacity or layout, a layout that differs from the
+            chunk size, capacity, arena or layout, a layout that differs from the
             one the named store already has, a kind other than KV for a
             temporary store (it has no name for other handles to share), a
             Redis server whose ``maxmemory-policy`` does not evict by use,
@@ -214,6 +231,11 @@ def connect(
     """
     layout = _layout_arg(layers, width, dtype, kind.planes)
     if kind is not LMCacheSDKCacheKind.KV:
+        if arena_bytes:
+            raise KVConfigError(
+                f"arena_bytes is for the KV namespace; open {kind.name} with "
+                "for_kind() on a store connected with it"
+            )
         if url is None:
             raise KVConfigError(
                 f"a temporary store has only KV; open a named store for "
@@ -221,7 +243,7 @@ def connect(
             )
         with connect(url, chunk_size=chunk_size, capacity_bytes=capacity_bytes) as kv:
             return kv._open_kind(kind, layout)
-    options = _Options(chunk_size, layout, capacity_bytes)
+    options = _Options(chunk_size, layout, capacity_bytes, arena_bytes)
     if url is None:
         name = f"tmp-{secrets.token_hex(8)}"
         return _open_dir(_shm_dir(name), f"shm:///{name}", options, owner=True)

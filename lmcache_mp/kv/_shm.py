@@ -15,6 +15,7 @@ import numpy.typing as npt
 
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError
+from lmcache_mp.kv._arena import check_arena, fill_arena
 from lmcache_mp.kv._buffers import contiguous, empty_kv
 from lmcache_mp.kv._capacity import Usage
 from lmcache_mp.kv._chunk import (
@@ -88,10 +89,12 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
             collecting it or leaving the interpreter then removes it.
         kind: The tensor family it caches: ``KV`` (``[2, L, T, D]``) or
             ``QUERY`` (``[1, L, T, D]``); see :meth:`for_kind`.
+        arena_bytes: Bytes of chunk files this handle allocates as soon as
+            the layout is fixed, for writes to fill (:mod:`._arena`).
 
     Raises:
         KVConfigError: If ``chunk_size`` or ``capacity_bytes`` is not a
-            positive int.
+            positive int, or ``arena_bytes`` not in ``[0, capacity_bytes]``.
     """
 
     def __init__(
@@ -103,9 +106,14 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
         capacity_bytes: int,
         owner: bool = False,
         kind: LMCacheSDKCacheKind = LMCacheSDKCacheKind.KV,
+        arena_bytes: int = 0,
     ) -> None:
         super().__init__(kind, chunk_size)
         check_positive("capacity_bytes", capacity_bytes)
+        check_arena(arena_bytes, capacity_bytes)
+        # Allocated once, by this handle only (a copy unpickled elsewhere
+        # does not carry it): issue #20.
+        self._arena = arena_bytes
         self._path = path
         self._url = url
         self._handle = DirHandle(path, owner)
@@ -226,7 +234,13 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
                 fd, self._path, wanted
             )
             self._layout = layout
-        return require_layout(layout, wanted, self._url)
+        checked = require_layout(layout, wanted, self._url)
+        with self._lock:
+            arena, self._arena = self._arena, 0
+        if arena:
+            size = chunk_file_size(layout, self._chunk_size)
+            fill_arena(fd, self._usage, arena, size, self._url)
+        return checked
 
     def retrieve(self, tokens: Tokens, cache_salt: str = "") -> npt.NDArray[Any] | None:
         """Return the KV of the longest cached chunk-aligned prefix of ``tokens``.
