@@ -40,6 +40,7 @@ import contextlib
 import errno
 import hashlib
 import hmac
+import mmap
 import os
 import stat
 import struct
@@ -286,7 +287,7 @@ def decode_chunk(
 def _transfer(
     op: Callable[[int, Sequence[Any]], int], fd: int, views: list[memoryview]
 ) -> int:
-    """Run readv/writev until every view is done or the file ends."""
+    """Run ``op`` (writev) until every view is done or it moves nothing."""
     done = 0
     first = 0
     while first < len(views):
@@ -423,10 +424,7 @@ def read_chunk(
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != size:
                 raise CorruptChunk(f"{st.st_size} bytes, expected {size}")
-            header = bytearray(HEADER_SIZE)
-            got = _transfer(os.readv, fd, [memoryview(header), *out])
-            if got != size:
-                raise CorruptChunk(f"read {got} bytes, expected {size}")
+            header = _read_mapped(fd, size, out)
             check_chunk(header, key, out, layout, chunk_size)
             # The mtime is the recency that eviction orders by; best effort.
             now = time.time_ns()
@@ -438,6 +436,28 @@ def read_chunk(
                 raise
         finally:
             os.close(fd)
+
+
+def _read_mapped(fd: int, size: int, out: list[memoryview]) -> bytes:
+    """Copy a chunk file of ``size`` bytes (its size checked) through a
+    mapping of it: the payload into ``out``; return the header.
+
+    A copy out of a mapping ran at 1.1x ``readv``'s speed on tmpfs's 4 KiB
+    pages and at 1.9x on its huge pages, where it reaches memcpy
+    (``scripts/copy_ceiling.py``, issue #20). Chunk files are never
+    truncated in place (a recycled one is overwritten at its size), so the
+    mapping never reaches past the file's end.
+    """
+    with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as mapped:
+        src = np.frombuffer(mapped, np.uint8)
+        header = src[:HEADER_SIZE].tobytes()
+        start = HEADER_SIZE
+        for view in out:
+            stop = start + len(view)
+            np.copyto(np.frombuffer(view, np.uint8), src[start:stop])
+            start = stop
+        del src  # the mapping closes only once no array uses it
+    return header
 
 
 def _open_chunk(dir_fd: int, name: str) -> int:
