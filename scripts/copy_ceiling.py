@@ -57,14 +57,22 @@ def _pieces(nbytes: int) -> list[memoryview]:
     return [buf[i : i + _PIECE].data for i in range(0, nbytes, _PIECE)]
 
 
-def _tmpfs_read(nbytes: int, folder: str) -> Callable[[], None]:
-    fd, pieces = _tmpfs_file(folder, nbytes), _pieces(nbytes)
+def _tmpfs_pieces(
+    op: Callable[[int, list[memoryview], int], int],
+) -> Callable[[int, str], Callable[[], None]]:
+    """A kind that runs ``op`` (``os.preadv`` or ``os.pwritev``) on every
+    piece of a tmpfs file already written."""
 
-    def read() -> None:
-        for index, piece in enumerate(pieces):
-            os.preadv(fd, [piece], index * _PIECE)
+    def make(nbytes: int, folder: str) -> Callable[[], None]:
+        fd, pieces = _tmpfs_file(folder, nbytes), _pieces(nbytes)
 
-    return read
+        def run() -> None:
+            for index, piece in enumerate(pieces):
+                op(fd, [piece], index * _PIECE)
+
+        return run
+
+    return make
 
 
 def _tmpfs_mapped(nbytes: int, folder: str) -> Callable[[], None]:
@@ -80,16 +88,6 @@ def _tmpfs_mapped(nbytes: int, folder: str) -> Callable[[], None]:
                 del src  # the mapping closes only once no array uses it
 
     return read
-
-
-def _tmpfs_rewrite(nbytes: int, folder: str) -> Callable[[], None]:
-    fd, pieces = _tmpfs_file(folder, nbytes), _pieces(nbytes)
-
-    def write() -> None:
-        for index, piece in enumerate(pieces):
-            os.pwritev(fd, [piece], index * _PIECE)
-
-    return write
 
 
 def _tmpfs_new(nbytes: int, folder: str) -> Callable[[], None]:
@@ -110,9 +108,9 @@ def _tmpfs_new(nbytes: int, folder: str) -> Callable[[], None]:
 
 _KINDS: dict[str, Callable[[int, str], Callable[[], None]]] = {
     "memcpy": lambda nbytes, folder: _copy(nbytes),
-    "tmpfs read": _tmpfs_read,
+    "tmpfs read": _tmpfs_pieces(os.preadv),
     "tmpfs mapped": _tmpfs_mapped,
-    "tmpfs rewrite": _tmpfs_rewrite,
+    "tmpfs rewrite": _tmpfs_pieces(os.pwritev),
     "tmpfs new": _tmpfs_new,
 }
 

@@ -17,7 +17,7 @@ import contextlib
 import os
 
 from lmcache_mp.errors import KVCapacityError, KVConfigError, KVStoreError
-from lmcache_mp.kv._capacity import Usage, evict_lru
+from lmcache_mp.kv._capacity import Usage
 from lmcache_mp.kv._files import temp_name
 from lmcache_mp.kv._recycle import list_free, retire
 
@@ -67,14 +67,11 @@ def fill_arena(
     if count <= 0:
         return 0
     # Only room that is free: an arena never evicts cached KV.
-    used = evict_lru(dir_fd, 0, usage.capacity, frozenset())[2]
-    room = None
-    if used + count * file_size <= usage.capacity:
-        room = usage.make_room(dir_fd, count, file_size, frozenset())
-    if room is None or room.fits < count:
+    room = usage.make_room(dir_fd, count, file_size, frozenset(), evict=False)
+    if room.fits < count:
         raise KVCapacityError(
             f"store {where}: an arena of {count * file_size} more bytes does not "
-            f"fit: its capacity is {usage.capacity} bytes, {used} are in use "
+            f"fit: its capacity is {usage.capacity} bytes, {room.used} are in use "
             "(an arena evicts no KV); nothing was allocated",
             asked=count * file_size,
             allowed=usage.capacity,

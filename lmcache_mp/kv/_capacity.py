@@ -81,7 +81,7 @@ class Room(NamedTuple):
 
 
 def evict_lru(
-    dir_fd: int, need: int, capacity: int, keep: frozenset[str]
+    dir_fd: int, need: int, capacity: int, keep: frozenset[str], evict: bool = True
 ) -> tuple[int, int, int, int]:
     """Remove least recently used unpinned chunks until ``need`` more bytes fit.
 
@@ -95,6 +95,7 @@ def evict_lru(
         need: Bytes about to be written.
         capacity: The store's capacity in bytes.
         keep: Chunk names never to evict (the chunks being stored).
+        evict: ``False``: only count the bytes used (an arena evicts no KV).
 
     Returns:
         ``(evicted, evicted bytes, used, pinned)``: chunks removed here,
@@ -104,7 +105,7 @@ def evict_lru(
     entries = list_chunks(dir_fd)
     free = list_free(dir_fd)
     used = sum(e.size for e in entries) + sum(e.size for e in free)
-    if used + need <= capacity:
+    if used + need <= capacity or not evict:
         return 0, 0, used, -1
     pinned_names = live_pins(dir_fd)
     pinned = sum(e.size for e in entries if e.name in pinned_names)
@@ -151,7 +152,12 @@ class Usage:
         self._inflight = 0
 
     def make_room(
-        self, dir_fd: int, count: int, file_size: int, keep: frozenset[str]
+        self,
+        dir_fd: int,
+        count: int,
+        file_size: int,
+        keep: frozenset[str],
+        evict: bool = True,
     ) -> Room:
         """Evict as needed for ``count`` new chunk files of ``file_size`` bytes.
 
@@ -160,6 +166,7 @@ class Usage:
             count: Chunk files about to be written.
             file_size: Bytes of each.
             keep: Chunk names never to evict.
+            evict: ``False``: evict nothing; only what is free fits.
 
         Returns:
             What fits and what was evicted. When all fit, they are counted
@@ -179,7 +186,7 @@ class Usage:
             pinned = -1
             if used is None or not fresh or used + need > self.capacity:
                 evicted, freed, listed, pinned = evict_lru(
-                    dir_fd, need + self._inflight, self.capacity, keep
+                    dir_fd, need + self._inflight, self.capacity, keep, evict
                 )
                 used = listed + self._inflight
                 self._listed_at = time.monotonic()

@@ -45,8 +45,7 @@ import os
 import stat
 import struct
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -284,14 +283,12 @@ def decode_chunk(
     return payload
 
 
-def _transfer(
-    op: Callable[[int, Sequence[Any]], int], fd: int, views: list[memoryview]
-) -> int:
-    """Run ``op`` (writev) until every view is done or it moves nothing."""
+def _writev_all(fd: int, views: list[memoryview]) -> int:
+    """Run writev until every view is written or it writes nothing."""
     done = 0
     first = 0
     while first < len(views):
-        moved = op(fd, views[first : first + _IOV_MAX])
+        moved = os.writev(fd, views[first : first + _IOV_MAX])
         if moved == 0:
             break
         done += moved
@@ -352,7 +349,7 @@ def write_chunk(
     else:
         tmp, fd = claimed
     try:
-        written = _transfer(os.writev, fd, [memoryview(header), *payload])
+        written = _writev_all(fd, [memoryview(header), *payload])
         if written != expected:
             raise OSError(f"short write: {written} of {expected} bytes")
         now = time.time_ns()

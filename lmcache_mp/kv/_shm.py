@@ -235,9 +235,9 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
             )
             self._layout = layout
         checked = require_layout(layout, wanted, self._url)
-        with self._lock:
-            arena, self._arena = self._arena, 0
-        if arena:
+        if self._arena:  # a store's hot path takes no lock once it is filled
+            with self._lock:
+                arena, self._arena = self._arena, 0
             size = chunk_file_size(layout, self._chunk_size)
             fill_arena(fd, self._usage, arena, size, self._url)
         return checked
