@@ -31,7 +31,6 @@ from lmcache_mp.kv import (
     KVStore,
     SharedMemoryKVStore,
     StoreStats,
-    _chunk,
     _connect,
 )
 from lmcache_mp.kv._chunk import HEADER_SIZE
@@ -635,18 +634,31 @@ def test_store_is_removed_at_interpreter_exit() -> None:
     assert not os.path.exists(path)
 
 
-def test_short_reads_and_writes_are_resumed(
+def test_short_writes_are_resumed(
     shm_ctx: SharedMemoryKVStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Chunks survive readv/writev moving 7 bytes a call, 3 buffers at most."""
-    real_readv, real_writev = os.readv, os.writev
-    monkeypatch.setattr(_chunk, "_IOV_MAX", 3)
-    monkeypatch.setattr(os, "readv", lambda fd, bufs: real_readv(fd, [bufs[0][:7]]))
-    monkeypatch.setattr(os, "writev", lambda fd, bufs: real_writev(fd, [bufs[0][:7]]))
+    """Chunks survive pwrite moving at most 7 bytes a call."""
+    real_pwrite = os.pwrite
+    monkeypatch.setattr(
+        os, "pwrite", lambda fd, data, offset: real_pwrite(fd, data[:7], offset)
+    )
     kv = kv_of(TOKENS, layers=3)
     shm_ctx.store(kv, TOKENS)
     got = shm_ctx.retrieve(TOKENS)
     assert got is not None and np.array_equal(got, kv)
+
+
+def test_a_write_that_moves_nothing_fails_the_store_and_leaves_no_file(
+    shm_ctx: SharedMemoryKVStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pwrite that writes 0 bytes is an error naming the chunk; no temp
+    file or chunk is left."""
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: 0)
+    with pytest.raises(KVStoreError, match="short write"):
+        shm_ctx.store(kv_of(TOKENS), TOKENS)
+    monkeypatch.undo()
+    assert shm_ctx.retrieve(TOKENS) is None
+    assert os.listdir(shm_ctx.path) == ["layout.json"]
 
 
 def test_threads_share_one_handle(ctx: KVStore, stores: StoreFactory) -> None:

@@ -75,10 +75,10 @@ def scratch(nbytes: int) -> npt.NDArray[np.uint8]:
     """The calling thread's scratch buffer, at least ``nbytes`` long.
 
     One buffer per thread, reused by its next call (its pages stay
-    touched): what a store stages one chunk of a strided KV in, where a
-    copy of the whole KV would fault in hundreds of MiB of new memory per
-    stored stream (issue #20). The caller is done with it before its
-    thread asks again.
+    touched, and it stays in cache): what a store stages one piece of a
+    strided KV in, where a copy of the whole KV would fault in hundreds of
+    MiB of new memory per stored stream (issue #20). The caller is done
+    with it before its thread asks again.
 
     Args:
         nbytes: Bytes wanted.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -146,16 +146,17 @@ def as_bytes(arr: npt.NDArray[Any], layout: Layout) -> npt.NDArray[np.uint8]:
 
 def chunk_payloads(
     arr: npt.NDArray[Any], layout: Layout, chunk_size: int, indices: Sequence[int]
-) -> Iterator[tuple[int, list[memoryview]]]:
+) -> Iterator[tuple[int, Iterable[memoryview]]]:
     """The payload of each chunk ``indices`` of a KV, in file order.
 
     A C-contiguous KV of the store's dtype is sliced in place. Any other
     (an edit's strided view, such as keeping every other token, or another
-    dtype) is copied one chunk at a time into the thread's scratch buffer
-    rather than whole: the same bytes copied, but into a chunk's worth of
-    pages already touched instead of a new copy of the KV (issue #20:
-    256 MiB of new memory per stream, faulted in at 0.3-1.6 GB/s here).
-    Each chunk's views are valid until the next one is asked for.
+    dtype) is copied one piece (a plane's layer of a chunk) at a time into
+    the thread's scratch buffer rather than whole: the same bytes copied,
+    but into pages already touched instead of a new copy of the KV (issue
+    #20: 256 MiB of new memory per stream, faulted in at 0.3-1.6 GB/s
+    here), and small enough that the piece is still in cache when it is
+    summed and written. Each piece is valid until the next is asked for.
 
     Args:
         arr: A KV checked by :func:`kv_layout`.
@@ -164,20 +165,32 @@ def chunk_payloads(
         indices: The chunks wanted, by index along the tokens.
 
     Yields:
-        ``(index, views)``, as :func:`~lmcache_mp.kv._chunk.chunk_views`.
+        ``(index, pieces)``: the pieces as
+        :func:`~lmcache_mp.kv._chunk.chunk_views` returns them, or an
+        iterator that stages them one at a time.
     """
-    if arr.dtype == layout.dtype and arr.flags.c_contiguous:
-        raw = arr.view(np.uint8)
-        for index in indices:
-            yield index, chunk_views(raw, index * chunk_size, (index + 1) * chunk_size)
-        return
-    shape = (*arr.shape[:2], chunk_size, arr.shape[3])
-    nbytes = int(np.prod(shape)) * layout.dtype.itemsize
+    direct = arr.dtype == layout.dtype and arr.flags.c_contiguous
+    raw = arr.view(np.uint8) if direct else None
     for index in indices:
-        block = scratch(nbytes).view(layout.dtype).reshape(shape)
-        part = arr[:, :, index * chunk_size : (index + 1) * chunk_size]
-        np.copyto(block, part, casting="unsafe")
-        yield index, chunk_views(block.view(np.uint8), 0, chunk_size)
+        start, stop = index * chunk_size, (index + 1) * chunk_size
+        if raw is not None:
+            yield index, chunk_views(raw, start, stop)
+        else:
+            yield index, _staged_pieces(arr[:, :, start:stop], layout.dtype)
+
+
+def _staged_pieces(
+    part: npt.NDArray[Any], dtype: np.dtype[Any]
+) -> Iterator[memoryview]:
+    """Each ``[tokens, width]`` piece of ``part``, in file order, copied as
+    ``dtype`` into the thread's scratch buffer (reused for the next)."""
+    shape = part.shape[2:]
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    for plane in part:
+        for layer in plane:
+            buf = scratch(nbytes)
+            np.copyto(buf.view(dtype).reshape(shape), layer, casting="unsafe")
+            yield buf.data
 
 
 def join_payloads(
