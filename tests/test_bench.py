@@ -376,6 +376,42 @@ def test_kv_rate_and_memcpy_ratio_follow_their_definitions(
     assert "KV GB/s" in header and "x memcpy" in header and "peak RSS" in header
 
 
+def test_each_run_writes_an_arena_of_the_prompts_kv_twice_and_reports_it(
+    synthetic_run: dict[str, Any],
+) -> None:
+    """By default each run's temporary store writes an arena of twice the
+    prompts' KV before the phases; the JSON gives its bytes and fill time,
+    the table a note."""
+    kv = 2 * 2 * 64 * 1 * 16 * 2  # streams x (K, V) x tokens x layers x width x bf16
+    point = synthetic_run["points"][0]
+    for ex in point["executors"].values():
+        assert ex["arena_bytes"] == 2 * kv
+        assert ex["arena_fill_s"]["median"] > 0
+    assert f"store arena: {2 * kv // 1024}.0 KiB of chunk files" in format_point(point)
+
+
+@pytest.mark.parametrize(
+    ("fields", "capacity", "expected"),
+    [
+        ({}, 1 << 40, 2 * 3 * (2 * 2 * 16 * 64 * 4)),
+        ({}, 1000, 1000),
+        ({"arena_bytes": 5}, 1 << 40, 5),
+        ({"arena_bytes": 0}, 1 << 40, 0),
+        ({"store": "shm:///bench"}, 1 << 40, 0),
+    ],
+)
+def test_the_run_arena_is_given_or_the_prompts_kv_twice_within_the_capacity(
+    fields: dict[str, Any], capacity: int, expected: int
+) -> None:
+    """arena_bytes when given; else, for the temporary store, every prompt's
+    KV twice (prefill and an edit as long), no more than the capacity; for a
+    store by URL, none."""
+    config = BenchConfig(
+        streams=3, prompt_tokens=64, layers=2, kv_heads=2, head_dim=8, **fields
+    )
+    assert config.run_arena_bytes(capacity) == expected
+
+
 def test_auto_unhinted_measures_the_edit_the_hinted_run_skips(
     synthetic_run: dict[str, Any],
 ) -> None:

@@ -62,6 +62,9 @@ JSON schema ``lmcache-mp-bench/1`` (:meth:`BenchResult.to_dict`)::
             "thread" | "process" | "serial" | "auto" | "auto-unhinted": {
               "workers": int,         # processes, or threads
               "pool_start_s": STATS,  # process: start() before the phases
+              "arena_bytes": int,     # the store's arena (BenchConfig)
+              "arena_fill_s": STATS,  # connecting the store, its arena
+                                      # written: before the phases
               "total_s": STATS,       # pool start + the three phases
               "peak_rss_bytes": STATS,
               "outputs_digest": str,  # sha256 prefix of decoded token ids

@@ -240,9 +240,11 @@ def add_bench_parser(
         default=d.arena_bytes,
         metavar="GIB",
         dest="arena_bytes",
-        help="GiB of chunk files each run's shared-memory store allocates "
+        help="GiB of chunk files each run's shared-memory store writes "
         "before the phases, for its writes to fill instead of allocating "
-        "pages (counted against the capacity; default: 0, none)",
+        "pages (counted against the capacity; default: for the temporary "
+        "store, the prompts' KV twice over, as far as the store holds it; "
+        "for a --store, none; 0: none)",
     )
     out = p.add_argument_group("measuring and output")
     _int(out, "--repeat", 1, d.repeat, "runs per executor; shows median (min-max)")

@@ -188,6 +188,8 @@ def point_figures(
         executors[name] = {
             "workers": runs[0].workers,
             "pool_start_s": stats([run.pool_start_s for run in runs]),
+            "arena_bytes": runs[0].arena_bytes,
+            "arena_fill_s": stats([run.arena_fill_s for run in runs]),
             "total_s": stats([_total(run) for run in runs]),
             "peak_rss_bytes": stats([run.peak_rss_bytes for run in runs]),
             "outputs_digest": _digest(runs[0].outputs),

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache_mp import request
+from lmcache_mp._util.paths import shm_root
 from lmcache_mp.batch import LMCacheBatchedStream
 from lmcache_mp.bench._agreement import Reference, agreement, greedy_reference
 from lmcache_mp.bench._config import AUTO_UNHINTED, BenchConfig
@@ -22,6 +23,7 @@ from lmcache_mp.executors import limit_blas_while, physical_cores
 from lmcache_mp.executors._auto import AutoExecutor
 from lmcache_mp.executors._process import ProcessExecutor
 from lmcache_mp.kv import connect
+from lmcache_mp.kv._capacity import default_capacity
 from lmcache_mp.metrics import Metrics
 from lmcache_mp.stream import create_request
 
@@ -86,6 +88,9 @@ class RunFigures:
         agreement: The edit's agreement with the uncompressed run
             (:func:`~lmcache_mp.bench._agreement.agreement`), where it was
             measured.
+        arena_bytes: Bytes of the store's arena.
+        arena_fill_s: Seconds to connect the store and write its arena,
+            before the phases.
     """
 
     executor: str
@@ -94,6 +99,8 @@ class RunFigures:
     phases: dict[str, PhaseFigures] = field(default_factory=dict)
     outputs: list[list[int]] = field(default_factory=list)
     agreement: dict[str, float] | None = None
+    arena_bytes: int = 0
+    arena_fill_s: float = 0.0
 
     @property
     def peak_rss_bytes(self) -> int:
@@ -154,14 +161,17 @@ def run_once(
     # An edit scored with queries (issue #21) gets 0.5.6 streams with a
     # QUERY context, whose queries the engine records during the prefill.
     scored = getattr(edit, "name", None) in KIND_EDITS
+    arena = config.run_arena_bytes(default_capacity(shm_root()))
+    begin = time.perf_counter()
     store = connect(
         None if config.store is None else fresh_store_url(config.store),
         chunk_size=config.chunk_size,
         layers=config.layers,
         width=config.width,
         dtype=config.dtype,
-        arena_bytes=config.arena_bytes,
+        arena_bytes=arena,
     )
+    arena_fill_s = time.perf_counter() - begin
     query_ctx = store.for_kind(LMCacheSDKCacheKind.QUERY) if scored else None
     fn: Any = edit
     if executor == AUTO_UNHINTED:
@@ -202,9 +212,11 @@ def run_once(
                 cap = limit_blas_while(physical_cores())
             scorer = engine if measure_agreement and hasattr(engine, "score") else None
             with cap:
-                return _run_phases(
+                run = _run_phases(
                     config, batch, executor, fn, progress, start_s, scorer
                 )
+                run.arena_bytes, run.arena_fill_s = arena, arena_fill_s
+                return run
     finally:
         store.destroy()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -281,6 +282,16 @@ def _notes(point: dict[str, Any]) -> list[str]:
                 f"{name} modify ran on {config['executor_chosen']}: "
                 f"{config['executor_reason']}."
             )
+    arena = next(iter(executors.values())).get("arena_bytes", 0)
+    if arena:
+        fill = statistics.median(
+            ex["arena_fill_s"]["median"] for ex in executors.values()
+        )
+        notes.append(
+            f"store arena: {_bytes(arena)} of chunk files written in {fill:.1f} s "
+            "per run before the phases (not in their wall time), for the "
+            "phases' writes to reuse (--arena GIB; 0: none)."
+        )
     if process is not None:
         during = sum(
             (process["phases"][p]["pool_start_s"] or {"median": 0.0})["median"]
