@@ -89,7 +89,7 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
             collecting it or leaving the interpreter then removes it.
         kind: The tensor family it caches: ``KV`` (``[2, L, T, D]``) or
             ``QUERY`` (``[1, L, T, D]``); see :meth:`for_kind`.
-        arena_bytes: Bytes of chunk files this handle allocates as soon as
+        arena_bytes: Bytes of chunk files this handle writes as soon as
             the layout is fixed, for writes to fill (:mod:`._arena`).
 
     Raises:
