@@ -12,6 +12,9 @@ process and then in ``--procs`` processes at once, each in 32 MiB pieces
 - ``tmpfs mapped``: the same bytes copied out of a mapping of the file
   (``mmap`` + ``np.copyto``), what a retrieve that mapped chunk pages
   instead of reading them would do;
+- ``tmpfs kept map``: the same copy out of one mapping kept from copy to
+  copy, what a store whose files each process keeps mapped (Ray plasma's
+  design) would pay once its pages are mapped;
 - ``tmpfs rewrite``: ``pwritev`` over a file's pages already allocated,
   what a store into recycled chunk files does;
 - ``tmpfs new``: writing a new file each time (the last one removed),
@@ -90,6 +93,20 @@ def _tmpfs_mapped(nbytes: int, folder: str) -> Callable[[], None]:
     return read
 
 
+def _tmpfs_kept_map(nbytes: int, folder: str) -> Callable[[], None]:
+    fd, pieces = _tmpfs_file(folder, nbytes), _pieces(nbytes)
+    src = np.frombuffer(
+        mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ), np.uint8
+    )
+
+    def read() -> None:
+        for index, piece in enumerate(pieces):
+            start = index * _PIECE
+            np.copyto(np.frombuffer(piece, np.uint8), src[start : start + _PIECE])
+
+    return read
+
+
 def _tmpfs_new(nbytes: int, folder: str) -> Callable[[], None]:
     pieces = _pieces(nbytes)
     path = os.path.join(folder, f"copy-ceiling-new-{os.getpid()}")
@@ -110,6 +127,7 @@ _KINDS: dict[str, Callable[[int, str], Callable[[], None]]] = {
     "memcpy": lambda nbytes, folder: _copy(nbytes),
     "tmpfs read": _tmpfs_pieces(os.preadv),
     "tmpfs mapped": _tmpfs_mapped,
+    "tmpfs kept map": _tmpfs_kept_map,
     "tmpfs rewrite": _tmpfs_pieces(os.pwritev),
     "tmpfs new": _tmpfs_new,
 }
