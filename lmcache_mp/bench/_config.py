@@ -321,9 +321,11 @@ class BenchConfig:
         ``arena_bytes`` when given. Otherwise, for the temporary
         shared-memory store, what the run writes at most: every prompt's KV
         and an edit as long again (issue #20: into pages written ahead, a
-        stride edit moved KV at 0.43-0.49x memcpy, against 0.17-0.22x into
-        new pages), no more than ``capacity``; for a store given by URL,
-        none.
+        stride edit moved KV at 0.40x memcpy, against 0.21x into new pages
+        in the same hour), no more than half of ``capacity`` (the store's
+        own capacity, read again as it connects, may come out a little
+        lower, and other stores share the filesystem); for a store given by
+        URL, none.
 
         Args:
             capacity: Bytes the temporary store would hold.
@@ -335,7 +337,7 @@ class BenchConfig:
             return self.arena_bytes
         if self.store is not None:
             return 0
-        return min(2 * self.streams * self.prompt_kv_bytes, capacity)
+        return min(2 * self.streams * self.prompt_kv_bytes, capacity // 2)
 
     def engine_config(self) -> EngineConfig:
         """The embedded model: ``d_model`` is the attention width.
