@@ -74,7 +74,7 @@ def _fill(config: BenchConfig) -> tuple[SharedMemoryKVStore, list[list[int]]]:
         layers=config.layers,
         width=config.width,
         dtype=config.dtype,
-        capacity_bytes=8 * config.streams * _kv_bytes(config) + 2**20,
+        capacity_bytes=8 * config.streams * config.prompt_kv_bytes + 2**20,
     )
     rng = np.random.default_rng(config.seed)
     prompts = config.prompts()
@@ -83,11 +83,6 @@ def _fill(config: BenchConfig) -> tuple[SharedMemoryKVStore, list[list[int]]]:
     for prompt in prompts:
         store.store(rng.standard_normal(shape, np.float32).astype(dtype), prompt)
     return store, prompts
-
-
-def _kv_bytes(config: BenchConfig) -> int:
-    itemsize = resolve_dtype(config.dtype).itemsize
-    return 2 * config.layers * config.prompt_tokens * config.width * itemsize
 
 
 class _Ours(Peer):
@@ -252,7 +247,7 @@ def format_compare(
     starts: dict[str, float] | None = None,
 ) -> str:
     """The comparison as text: the references, then one table per edit."""
-    mib = _kv_bytes(config) / 2**20
+    mib = config.prompt_kv_bytes / 2**20
     parts = [
         f"modify only: {config.streams} streams x KV [2, {config.layers}, "
         f"{config.prompt_tokens}, {config.width}] {config.dtype} ({mib:.0f} MiB "

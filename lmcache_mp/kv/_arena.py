@@ -25,7 +25,7 @@ import os
 from lmcache_mp.errors import KVCapacityError, KVConfigError, KVStoreError
 from lmcache_mp.kv._capacity import Usage
 from lmcache_mp.kv._chunk import pwrite_all
-from lmcache_mp.kv._files import temp_name
+from lmcache_mp.kv._files import open_temp
 from lmcache_mp.kv._recycle import list_free, retire
 
 __all__ = ["check_arena", "fill_arena"]
@@ -95,9 +95,7 @@ def fill_arena(
 
 def _allocate(dir_fd: int, size: int) -> None:
     """One free file of ``size`` bytes, every page written."""
-    tmp = temp_name()
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    tmp, fd = open_temp(dir_fd)
     try:
         for start in range(0, size, len(_ZEROS)):
             pwrite_all(fd, _ZEROS[: size - start], start)

@@ -50,7 +50,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from lmcache_mp.kv._files import temp_name
+from lmcache_mp.kv._files import open_temp
 from lmcache_mp.kv._layout import Layout, dtype_code
 from lmcache_mp.kv._recycle import claim, retire_replaced
 
@@ -362,12 +362,7 @@ def write_chunk(
         OSError: If the file cannot be written (e.g. the filesystem is full).
     """
     claimed = claim(dir_fd, free, chunk_file_size(layout, chunk_size)) if free else None
-    if claimed is None:
-        tmp = temp_name()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
-    else:
-        tmp, fd = claimed
+    tmp, fd = open_temp(dir_fd) if claimed is None else claimed
     try:
         # Each piece is summed and written while the copy that made it is
         # still in cache; the header, which holds the digest, goes last.

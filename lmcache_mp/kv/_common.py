@@ -185,11 +185,11 @@ def _staged_pieces(
     """Each ``[tokens, width]`` piece of ``part``, in file order, copied as
     ``dtype`` into the thread's scratch buffer (reused for the next)."""
     shape = part.shape[2:]
-    nbytes = int(np.prod(shape)) * dtype.itemsize
+    buf = scratch(int(np.prod(shape)) * dtype.itemsize)
+    staged = buf.view(dtype).reshape(shape)
     for plane in part:
         for layer in plane:
-            buf = scratch(nbytes)
-            np.copyto(buf.view(dtype).reshape(shape), layer, casting="unsafe")
+            np.copyto(staged, layer, casting="unsafe")
             yield buf.data
 
 

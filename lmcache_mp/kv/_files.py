@@ -29,6 +29,7 @@ __all__ = [
     "kind_location",
     "list_chunks",
     "open_store_dir",
+    "open_temp",
     "remove_stale_temps",
     "remove_tree",
     "scan_dir",
@@ -59,6 +60,18 @@ def temp_name() -> str:
     The pid lets an opener tell a dead writer's leftovers from a live one's.
     """
     return f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def open_temp(dir_fd: int) -> tuple[str, int]:
+    """Create a new temp file (0600, never through a symlink) in a store
+    directory.
+
+    Returns:
+        ``(its name, a descriptor open for writing)``.
+    """
+    tmp = temp_name()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return tmp, os.open(tmp, flags, 0o600, dir_fd=dir_fd)
 
 
 def _check_dir(st: os.stat_result, path: str) -> None:

@@ -18,7 +18,7 @@ import contextlib
 import os
 from collections.abc import Iterable
 
-from lmcache_mp.kv._files import scan_dir, temp_name
+from lmcache_mp.kv._files import open_temp, scan_dir
 from lmcache_mp.kv._pins import PinOwner, same_process
 
 __all__ = [
@@ -56,9 +56,7 @@ def write_pin(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(pin, dir_fd=dir_fd)
         return
-    tmp = temp_name()
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    tmp, fd = open_temp(dir_fd)
     try:
         with os.fdopen(fd, "w", closefd=False) as fh:
             fh.write("\n".join(sorted(wanted)))
