@@ -5,7 +5,9 @@ side by side with a single-core memcpy measured in the same run (issue #20).
 one stream of Llama-3-8B's KV (bf16, 32 layers x 8 KV heads x 128, 4,096
 tokens: 512 MiB) several times, each time with new tokens, and prints the
 GB/s of each operation and its ratio to memcpy. Options: ``--tokens``,
-``--layers``, ``--width``, ``--dtype``, ``--rounds``.
+``--layers``, ``--width``, ``--dtype``, ``--rounds``, and ``--arena GIB``
+(an arena of that size, which the process then keeps mapped: compare
+``--arena 0`` with ``--arena 8``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=8 * 128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--arena", type=float, default=0.0, help="GiB")
     args = parser.parse_args()
     dtype = resolve_dtype(args.dtype)
     shape = (2, args.layers, args.tokens, args.width)
@@ -49,7 +52,9 @@ def main() -> None:
     nbytes = kv.nbytes
     memcpy = _memcpy_gbs(nbytes, args.rounds)
     figures: dict[str, list[float]] = {"store": [], "retrieve": [], "overwrite": []}
-    with lmcache_mp.connect() as store:
+    layout = {"layers": args.layers, "width": args.width, "dtype": args.dtype}
+    arena = int(args.arena * 2**30)
+    with lmcache_mp.connect(arena_bytes=arena, **layout) as store:
         for index in range(args.rounds):
             tokens = list(range(index * args.tokens, (index + 1) * args.tokens))
             figures["store"].append(_timed(store.store, kv, tokens))
@@ -61,7 +66,8 @@ def main() -> None:
         capacity = store.capacity_bytes
     print(
         f"KV per stream: {nbytes / 2**20:.0f} MiB ({args.dtype}, {shape}); "
-        f"store capacity {capacity / 2**30:.1f} GiB; median of {args.rounds} rounds"
+        f"store capacity {capacity / 2**30:.1f} GiB, arena {arena / 2**30:.1f} GiB; "
+        f"median of {args.rounds} rounds"
     )
     print(f"{'operation':<12}{'ms':>10}{'GB/s':>10}{'x memcpy':>10}")
     print(f"{'memcpy':<12}{nbytes / memcpy / 1e6:>10.1f}{memcpy:>10.2f}{1.0:>10.2f}")

@@ -12,8 +12,6 @@ besides them is reported, for the store to refuse (issue #20).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
 import threading
 import time
@@ -24,7 +22,7 @@ import psutil
 from lmcache_mp.errors import KVStoreError
 from lmcache_mp.kv._files import list_chunks
 from lmcache_mp.kv._pinfiles import live_pins, mark_evicted
-from lmcache_mp.kv._recycle import list_free, retire
+from lmcache_mp.kv._recycle import list_free, remove_free, retire
 
 __all__ = ["Room", "Usage", "default_capacity"]
 
@@ -117,8 +115,7 @@ def evict_lru(
     for entry in free:
         if used + need <= capacity:
             break
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(entry.name, dir_fd=dir_fd)
+        remove_free(dir_fd, entry.name)
         used -= entry.size
     gone: list[str] = []
     freed = 0

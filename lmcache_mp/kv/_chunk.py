@@ -52,6 +52,7 @@ import numpy.typing as npt
 
 from lmcache_mp.kv._files import open_temp
 from lmcache_mp.kv._layout import Layout, dtype_code
+from lmcache_mp.kv._maps import kept
 from lmcache_mp.kv._recycle import claim, retire_replaced
 
 __all__ = [
@@ -323,6 +324,15 @@ def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         done += moved
 
 
+def _put(fd: int, mapped: mmap.mmap | None, view: memoryview, offset: int) -> None:
+    """Write ``view`` at ``offset`` of the file ``fd``, through its kept
+    mapping when it has one (:mod:`~lmcache_mp.kv._maps`)."""
+    if mapped is None:
+        pwrite_all(fd, view, offset)
+    else:
+        mapped[offset : offset + len(view)] = view
+
+
 def write_chunk(
     dir_fd: int,
     name: str,
@@ -338,9 +348,11 @@ def write_chunk(
 
     A reader sees either no file, a previous complete file, or this one
     complete. The temp file is a free file claimed for reuse when there is
-    one (:mod:`~lmcache_mp.kv._recycle`), and a chunk it replaces is kept
-    for reuse. The file's mtime is set from the fine-grained clock so that
-    least-recently-used ordering does not tie at the kernel's coarse tick.
+    one (:mod:`~lmcache_mp.kv._recycle`), written through this process's
+    kept mapping of it when it has one (:mod:`~lmcache_mp.kv._maps`), and
+    a chunk it replaces is kept for reuse. The file's mtime is set from
+    the fine-grained clock so that least-recently-used ordering does not
+    tie at the kernel's coarse tick.
 
     Args:
         dir_fd: The store directory.
@@ -366,14 +378,15 @@ def write_chunk(
     try:
         # Each piece is summed and written while the copy that made it is
         # still in cache; the header, which holds the digest, goes last.
+        mapped = None if claimed is None else kept(os.fstat(fd))
         sums = BlockSums()
         offset = HEADER_SIZE
         for view in payload:
             sums.add(view)
-            pwrite_all(fd, view, offset)
+            _put(fd, mapped, view, offset)
             offset += len(view)
         fields = _fields(layout, chunk_size)
-        pwrite_all(fd, memoryview(fields + sums.digest(key, fields)), 0)
+        _put(fd, mapped, memoryview(fields + sums.digest(key, fields)), 0)
         now = time.time_ns()
         os.utime(fd, ns=(now, now))
     except BaseException:
@@ -417,7 +430,9 @@ def read_chunk(
     layout: Layout,
     chunk_size: int,
 ) -> None:
-    """Read and verify a chunk straight into ``out``; refresh its mtime.
+    """Read and verify a chunk straight into ``out``, through this
+    process's kept mapping of its file when it has one
+    (:mod:`~lmcache_mp.kv._maps`); refresh its mtime.
 
     A chunk that fails a check is removed (so it can be stored again) and
     reported as :class:`CorruptChunk`; ``out`` then holds garbage. A chunk
@@ -443,7 +458,11 @@ def read_chunk(
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != size:
                 raise CorruptChunk(f"{st.st_size} bytes, expected {size}")
-            header, sums = _read_mapped(fd, size, out)
+            mapped = kept(st)
+            if mapped is None:
+                header, sums = _read_mapped(fd, size, out)
+            else:
+                header, sums = _copy_out(mapped, out)
             check_chunk(header, key, sums, layout, chunk_size)
             # The mtime is the recency that eviction orders by; best effort.
             now = time.time_ns()
@@ -469,16 +488,21 @@ def _read_mapped(fd: int, size: int, out: list[memoryview]) -> tuple[bytes, Bloc
     mapping never reaches past the file's end.
     """
     with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as mapped:
-        src = np.frombuffer(mapped, np.uint8)
-        header = src[:HEADER_SIZE].tobytes()
-        sums = BlockSums()
-        start = HEADER_SIZE
-        for view in out:
-            stop = start + len(view)
-            np.copyto(np.frombuffer(view, np.uint8), src[start:stop])
-            sums.add(view)
-            start = stop
-        del src  # the mapping closes only once no array uses it
+        return _copy_out(mapped, out)
+
+
+def _copy_out(mapped: mmap.mmap, out: list[memoryview]) -> tuple[bytes, BlockSums]:
+    """Copy a mapped chunk file's payload into ``out``, each piece summed
+    while still in cache; return its header and the sums."""
+    src = np.frombuffer(mapped, np.uint8)
+    header = src[:HEADER_SIZE].tobytes()
+    sums = BlockSums()
+    start = HEADER_SIZE
+    for view in out:
+        stop = start + len(view)
+        np.copyto(np.frombuffer(view, np.uint8), src[start:stop])
+        sums.add(view)
+        start = stop
     return header, sums
 
 

@@ -8,6 +8,7 @@ replacing the path afterwards cannot redirect reads and writes elsewhere.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import secrets
 import shutil
@@ -30,6 +31,7 @@ __all__ = [
     "list_chunks",
     "open_store_dir",
     "open_temp",
+    "punch",
     "remove_stale_temps",
     "remove_tree",
     "scan_dir",
@@ -40,6 +42,9 @@ __all__ = [
 TEMP_PREFIX = ".tmp-"
 #: Chunk files are ``<key hex><CHUNK_SUFFIX>``.
 CHUNK_SUFFIX = ".kv"
+
+# Frees a shared file's pages under every mapping of them (Linux).
+_MADV_REMOVE: int | None = getattr(mmap, "MADV_REMOVE", None)
 
 # A writer whose pid is still alive (or reused) gets this long to finish a
 # temp file before an opener treats it as abandoned.
@@ -133,6 +138,27 @@ def open_store_dir(path: str, create: bool) -> int:
     return fd
 
 
+def punch(dir_fd: int, name: str) -> None:
+    """Free the pages of a store file about to be removed; best effort.
+
+    Another process may keep the file mapped (:mod:`~lmcache_mp.kv._maps`),
+    and a removed file's pages live as long as a mapping of them; emptied
+    first, it holds none. A reader still copying from it sees zeros, which
+    its chunk's digest rejects.
+    """
+    if _MADV_REMOVE is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_size:
+                with mmap.mmap(fd, st.st_size, mmap.MAP_SHARED) as mapped:
+                    mapped.madvise(_MADV_REMOVE)
+        finally:
+            os.close(fd)
+
+
 def remove_stale_temps(dir_fd: int) -> int:
     """Remove temp files left by writers that died mid-write.
 
@@ -157,6 +183,7 @@ def remove_stale_temps(dir_fd: int) -> int:
                 dead = not pid_text.isdigit() or not psutil.pid_exists(int(pid_text))
                 old = now - entry.stat(follow_symlinks=False).st_mtime > _STALE_TEMP_S
                 if dead or old:
+                    punch(dir_fd, entry.name)  # it may be an arena file
                     os.unlink(entry.name, dir_fd=dir_fd)
                     removed += 1
             except FileNotFoundError:
@@ -219,6 +246,9 @@ def remove_tree(path: str) -> None:
         if stat.S_ISLNK(st.st_mode):
             raise KVStoreSecurityError(f"{path}: is a symlink; not removing it")
         try:
+            for _, _, files, root_fd in os.fwalk(path):
+                for name in files:
+                    punch(root_fd, name)
             shutil.rmtree(path)
         except OSError as exc:
             # Another process may add or remove a file between rmtree's

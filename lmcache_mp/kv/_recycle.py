@@ -23,9 +23,16 @@ import os
 import secrets
 import stat
 
-from lmcache_mp.kv._files import ChunkEntry, scan_dir, temp_name
+from lmcache_mp.kv._files import ChunkEntry, punch, scan_dir, temp_name
 
-__all__ = ["FREE_PREFIX", "claim", "list_free", "retire", "retire_replaced"]
+__all__ = [
+    "FREE_PREFIX",
+    "claim",
+    "list_free",
+    "remove_free",
+    "retire",
+    "retire_replaced",
+]
 
 #: Files whose pages wait for reuse start with this.
 FREE_PREFIX = ".free-"
@@ -47,6 +54,20 @@ def retire_replaced(dir_fd: int, tmp: str, name: str) -> None:
     with contextlib.suppress(OSError):
         os.link(name, _free_name(), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def remove_free(dir_fd: int, name: str) -> None:
+    """Remove a free file for good, its pages freed even where another
+    process keeps it mapped; claimed first, so that a writer claiming it
+    at the same time gets it whole or not at all."""
+    tmp = temp_name()
+    try:
+        os.rename(name, tmp, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except FileNotFoundError:
+        return  # claimed by a writer, or removed, meanwhile
+    punch(dir_fd, tmp)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp, dir_fd=dir_fd)
 
 
 def list_free(dir_fd: int) -> list[ChunkEntry]:
