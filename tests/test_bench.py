@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import mmap
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ import pytest
 import lmcache_mp.bench._peers
 import lmcache_mp.bench._result as bench_result
 from lmcache_mp.__main__ import build_parser, main
+from lmcache_mp._util.paths import shm_root
 from lmcache_mp.bench import SCHEMA, BenchConfig, BenchResult, run_bench
 from lmcache_mp.bench._cli import config_from_args
 from lmcache_mp.bench._compare import (
@@ -716,6 +719,45 @@ def test_peak_memory_counts_child_processes() -> None:
         child.stdin.close()
         child.wait(timeout=30)
     assert total >= own + size
+
+
+def test_peak_memory_counts_shared_memory_pages_once() -> None:
+    """Shared-memory pages that the parent and a child both map (as every
+    process keeps a store's arena mapped) count once in the total."""
+    size = 64 << 20
+    fd, path = tempfile.mkstemp(dir=shm_root())
+    try:
+        os.pwrite(fd, b"x" * size, 0)
+        mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        touched = bytes(mapped[::4096])  # maps every page in the parent
+        code = (
+            "import mmap, sys; f = open(sys.argv[1], 'rb'); "
+            "m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ); "
+            "t = bytes(m[::4096]); print(flush=True); sys.stdin.read()"
+        )
+        child = subprocess.Popen(
+            [sys.executable, "-c", code, path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        try:
+            assert child.stdout is not None
+            child.stdout.readline()  # the child has mapped every page
+            with PeakMemory() as memory:
+                total = memory.sample()
+            # RSS summed as it is, over the processes the sample covers.
+            me = psutil.Process()
+            every = sum(p.memory_info().rss for p in [me, *me.children(True)])
+        finally:
+            assert child.stdin is not None
+            child.stdin.close()
+            child.wait(timeout=30)
+        mapped.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    assert len(touched) == size // 4096
+    assert size <= total <= every - size // 2
 
 
 def test_result_round_trips_through_json(tmp_path: Path) -> None:

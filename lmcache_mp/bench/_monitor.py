@@ -11,6 +11,8 @@ from typing import TextIO
 
 import psutil
 
+from lmcache_mp._util.paths import shm_root
+
 __all__ = ["PeakMemory", "ProgressLine"]
 
 #: Seconds between two memory samples.
@@ -22,14 +24,39 @@ _RESCAN_EVERY = 50
 _REDRAW_INTERVAL = 0.25
 
 
+def _shmem_kib(pid: int) -> int:
+    """The ``RssShmem`` of a process (KiB); 0 where the kernel has none."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"RssShmem:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _shm_used() -> int:
+    """Bytes in use on the shared-memory filesystem the KV store lives on."""
+    try:
+        st = os.statvfs(shm_root())
+    except OSError:
+        return 0
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
 class PeakMemory:
     """Peak resident memory of this process plus all its descendants.
 
     A daemon thread sums the RSS of the process and of every descendant
     (worker processes, multiprocessing helpers) every ~20 ms, and keeps the
-    largest sum since the last :meth:`reset`. Pages shared between
-    processes (the KV store's mapped chunks, copy-on-write pages) are
-    counted once per process that maps them, so this is an upper bound.
+    largest sum since the last :meth:`reset`. Shared-memory pages (the KV
+    store's chunk files, which every process with a store arena keeps
+    mapped: :mod:`lmcache_mp.kv._maps`) are counted once, not once per
+    process: their sum over the processes, capped at what the
+    shared-memory filesystem holds. Other shared pages (copy-on-write
+    pages, libraries) are counted once per process, so this is an upper
+    bound.
     """
 
     def __init__(self) -> None:
@@ -68,15 +95,20 @@ class PeakMemory:
         """Take one sample now and return it (bytes).
 
         Returns:
-            The summed RSS of the process and its known descendants.
+            The summed RSS of the process and its known descendants, their
+            shared-memory pages counted once.
         """
-        total = 0
+        total = shared = 0
         for proc in self._procs:
             try:
-                total += proc.memory_info().rss
+                rss = proc.memory_info().rss
             except psutil.Error:
                 # A worker that exited between the scan and the read.
                 continue
+            shmem = min(rss, _shmem_kib(proc.pid) << 10)
+            total += rss - shmem
+            shared += shmem
+        total += min(shared, _shm_used())
         with self._lock:
             self._peak = max(self._peak, total)
         return total

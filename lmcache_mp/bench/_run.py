@@ -22,7 +22,7 @@ from lmcache_mp.errors import LMCacheBatchedStreamError
 from lmcache_mp.executors import limit_blas_while, physical_cores
 from lmcache_mp.executors._auto import AutoExecutor
 from lmcache_mp.executors._process import ProcessExecutor
-from lmcache_mp.kv import connect
+from lmcache_mp.kv import SharedMemoryKVStore, connect
 from lmcache_mp.kv._capacity import default_capacity
 from lmcache_mp.metrics import Metrics
 from lmcache_mp.stream import create_request
@@ -196,6 +196,9 @@ def run_once(
                     *_PRELOAD,
                     *(_PRELOAD_BF16 if config.dtype == "bfloat16" else ()),
                     *(() if load is None else (load,)),
+                    # Each worker maps the store's arena as the pool starts,
+                    # not in its first phase (issue #20).
+                    *_arena_mapping(store),
                 ),
             ) as batch,
         ):
@@ -219,6 +222,11 @@ def run_once(
                 return run
     finally:
         store.destroy()
+
+
+def _arena_mapping(store: object) -> tuple[Callable[[], int], ...]:
+    """What a worker calls at start to map ``store``'s arena, if it has one."""
+    return (store.map_arena,) if isinstance(store, SharedMemoryKVStore) else ()
 
 
 def _run_phases(

@@ -243,7 +243,8 @@ def _notes(point: dict[str, Any]) -> list[str]:
         "the KV store (shared memory, or --store); KV GB/s: those bytes / the "
         "modify wall time; x memcpy: that rate / the one-core memcpy above.",
         "peak RSS: parent + all child processes, sampled every 20 ms "
-        "(shared pages counted in each process).",
+        "(shared-memory pages, such as the store's mapped chunk files, "
+        "counted once).",
         f"tokens: prefill {_first(point, 'prefill', 'input_tokens')} prompt "
         f"tokens computed; modify {_first(point, 'modify', 'tokens_before')} -> "
         f"{_first(point, 'modify', 'tokens_after')}; decode "
@@ -290,7 +291,8 @@ def _notes(point: dict[str, Any]) -> list[str]:
         notes.append(
             f"store arena: {_bytes(arena)} of chunk files written in {fill:.1f} s "
             "per run before the phases (not in their wall time), for the "
-            "phases' writes to reuse (--arena GIB; 0: none)."
+            "phases' writes to reuse; each process keeps them mapped, a "
+            "worker from the pool's start (in its time) (--arena GIB; 0: none)."
         )
     if process is not None:
         during = sum(
