@@ -10,19 +10,14 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError
 from lmcache_mp.kv._arena import check_arena, fill_arena
-from lmcache_mp.kv._buffers import contiguous, empty_kv
 from lmcache_mp.kv._capacity import Usage
 from lmcache_mp.kv._chunk import (
-    CorruptChunk,
     chunk_file_size,
-    chunk_views,
-    read_chunk,
 )
 from lmcache_mp.kv._common import (
     StoreHandle,
@@ -30,7 +25,6 @@ from lmcache_mp.kv._common import (
     check_positive,
     kv_layout,
     require_layout,
-    warn_corrupt,
 )
 from lmcache_mp.kv._files import (
     CHUNK_SUFFIX,
@@ -48,6 +42,7 @@ from lmcache_mp.kv._pinfiles import live_pins, write_pin
 from lmcache_mp.kv._pins import current_scope
 from lmcache_mp.kv._recycle import list_free, retire, retire_replaced
 from lmcache_mp.kv._shm_pins import FilePins
+from lmcache_mp.kv._shm_reads import read_prefix
 from lmcache_mp.kv._shm_writes import write_chunks
 from lmcache_mp.kv._staged import StagedChunks
 from lmcache_mp.kv._stats import Counters, StoreStats
@@ -299,43 +294,13 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
             return None
         fd = self._dir_fd()
         layout = self.layout
-        found: list[tuple[str, bytes]] = []
-        if layout is not None:
-            if not self._mapped:
-                self.map_arena()
-            for key in keys:
-                name = key.hex() + CHUNK_SUFFIX
-                try:
-                    os.stat(name, dir_fd=fd, follow_symlinks=False)
-                except FileNotFoundError:
-                    break
-                found.append((name, key))
-        if layout is None or not found:
+        if layout is None:
             self._counts.add(misses=1)
             return None
-        out = empty_kv(
-            (layout.planes, layout.layers, len(found) * size, layout.width),
-            layout.dtype,
-        )
-        raw = out.view(np.uint8)
-        got = 0
-        for name, key in found:
-            views = chunk_views(raw, got * size, (got + 1) * size)
-            try:
-                read_chunk(fd, name, key, views, layout, size)
-            except FileNotFoundError:
-                break
-            except CorruptChunk as exc:
-                self._counts.add(corrupt=1)
-                warn_corrupt(f"{self._path}/{name}", exc)
-                break
-            got += 1
-        self._counts.add(hits=got, misses=int(got < len(toks) // size))
-        if got == 0:
-            return None
-        if got < len(found):
-            return contiguous(out[:, :, : got * size], layout.dtype)
-        return out
+        if not self._mapped:
+            self.map_arena()
+        wanted = len(toks) // size
+        return read_prefix(fd, self._path, self._counts, layout, size, keys, wanted)
 
     def store(
         self, kv: Any, tokens: Tokens, cache_salt: str = "", *, overwrite: bool = False
