@@ -3,9 +3,12 @@ the chunks of either backend (files, or Redis values)."""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import multiprocessing.pool
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -13,6 +16,15 @@ import numpy as np
 from lmcache_mp.kv import KVStore, RedisKVStore, SharedMemoryKVStore, connect
 from lmcache_mp.kv._files import CHUNK_SUFFIX, TEMP_PREFIX, temp_name
 from lmcache_mp.kv._keys import chunk_keys, token_array
+
+
+@contextlib.contextmanager
+def spawned_pool(processes: int) -> Iterator[multiprocessing.pool.Pool]:
+    """A pool of ``processes`` spawned workers, closed and joined on exit."""
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        yield pool
+        pool.close()
+        pool.join()
 
 
 class StoreFactory:

@@ -17,7 +17,7 @@ from lmcache_mp.kv._chunk import HEADER_SIZE, decode_chunk
 from lmcache_mp.kv._files import CHUNK_SUFFIX, punch
 from lmcache_mp.kv._recycle import FREE_PREFIX, remove_free
 from tests._fakes import LAYERS, WIDTH, kv_for
-from tests._store_util import StoreFactory
+from tests._store_util import StoreFactory, spawned_pool
 
 C = 4
 CHUNK = HEADER_SIZE + 2 * LAYERS * C * WIDTH * 4
@@ -29,10 +29,8 @@ JOIN_TIMEOUT_S = 60
 @pytest.fixture
 def worker() -> Iterator[multiprocessing.pool.Pool]:
     """One spawned worker process, kept for the whole test."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    with spawned_pool(1) as pool:
         yield pool
-        pool.close()
-        pool.join()
 
 
 def _files(ctx: SharedMemoryKVStore) -> list[os.stat_result]:

@@ -25,6 +25,7 @@ from tests._store_util import (
     StoreFactory,
     chunk_paths,
     kv_of,
+    spawned_pool,
     temp_names,
     unique_url,
 )
@@ -36,10 +37,8 @@ JOIN_TIMEOUT_S = 60
 
 @pytest.fixture
 def pool() -> Iterator[multiprocessing.pool.Pool]:
-    with multiprocessing.get_context("spawn").Pool(4) as workers:
+    with spawned_pool(4) as workers:
         yield workers
-        workers.close()
-        workers.join()
 
 
 def _store_in_child(ctx: SharedMemoryKVStore, tokens: list[int]) -> bool:
