@@ -324,13 +324,20 @@ def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         done += moved
 
 
-def _put(fd: int, mapped: mmap.mmap | None, view: memoryview, offset: int) -> None:
+def _put(
+    fd: int, mapped: npt.NDArray[np.uint8] | None, view: memoryview, offset: int
+) -> None:
     """Write ``view`` at ``offset`` of the file ``fd``, through its kept
-    mapping when it has one (:mod:`~lmcache_mp.kv._maps`)."""
+    mapping (viewed as bytes) when it has one (:mod:`~lmcache_mp.kv._maps`).
+
+    numpy's copy releases the GIL, as ``pwrite`` does; a slice assignment
+    to the ``mmap`` would hold it, and threads writing at once would take
+    turns.
+    """
     if mapped is None:
         pwrite_all(fd, view, offset)
     else:
-        mapped[offset : offset + len(view)] = view
+        np.copyto(mapped[offset : offset + len(view)], np.frombuffer(view, np.uint8))
 
 
 def write_chunk(
@@ -378,7 +385,8 @@ def write_chunk(
     try:
         # Each piece is summed and written while the copy that made it is
         # still in cache; the header, which holds the digest, goes last.
-        mapped = None if claimed is None else kept(os.fstat(fd))
+        kept_map = None if claimed is None else kept(os.fstat(fd))
+        mapped = None if kept_map is None else np.frombuffer(kept_map, np.uint8)
         sums = BlockSums()
         offset = HEADER_SIZE
         for view in payload:
