@@ -13,12 +13,14 @@ once per client.
 
 A mapping is found by its file's ``(device, inode)``, so it follows the
 file through renames (a free file claimed, a chunk retired); what it holds
-is checked by the chunk's digest as on every read. The mappings of a store
-are dropped at this process's next call once its directory is removed, and
-a file is emptied (:func:`~lmcache_mp.kv._files.punch`) before it is
-removed, so that a mapping outliving its file in an idle process holds no
-memory. Files created later (no free file was left) are read and written
-without a kept mapping, as in a store without an arena.
+is checked by the chunk's digest as on every read. The mappings of a
+removed store are dropped at the next first call of a handle in this
+process (a worker unpickles one per task), and the library empties a file
+(:func:`~lmcache_mp.kv._files.punch`) before it removes it, so that a
+mapping outliving its file in an idle process holds no memory; a store
+removed by other means (``rm -r``) is held until then. Files created
+later (no free file was left) are read and written without a kept
+mapping, as in a store without an arena.
 """
 
 from __future__ import annotations
