@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from lmcache_mp.bench._monitor import _shmem_kib
 from lmcache_mp.kv import SharedMemoryKVStore, _maps
 from lmcache_mp.kv._chunk import HEADER_SIZE, decode_chunk
 from lmcache_mp.kv._files import CHUNK_SUFFIX, punch
@@ -48,14 +49,6 @@ def _retrieve_and_pid(ctx: SharedMemoryKVStore, tokens: list[int]) -> tuple[Any,
 
 def _overwrite(ctx: SharedMemoryKVStore, tokens: list[int]) -> bool:
     return ctx.store(kv_for(tokens) + 1, tokens, overwrite=True)
-
-
-def _shmem_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("RssShmem:"):
-                return int(line.split()[1])
-    raise AssertionError("no RssShmem line")
 
 
 def test_a_store_with_an_arena_keeps_all_its_files_mapped(

@@ -108,7 +108,8 @@ class PeakMemory:
             shmem = min(rss, _shmem_kib(proc.pid) << 10)
             total += rss - shmem
             shared += shmem
-        total += min(shared, _shm_used())
+        if shared:
+            total += min(shared, _shm_used())
         with self._lock:
             self._peak = max(self._peak, total)
         return total
