@@ -6,6 +6,7 @@ import multiprocessing
 import pickle
 import re
 import threading
+import tracemalloc
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from lmcache_mp.engine import EmbeddedEngine, EngineConfig, EngineStats, ToyVocab
-from lmcache_mp.engine._model import weights_for
+from lmcache_mp.engine._model import KVSequence, weights_for
 from lmcache_mp.errors import KVConfigError, SamplingParamsError, StreamInputError
 from lmcache_mp.stream import TokenEvent, create_request
 from tests._fakes import InMemoryKV
@@ -166,6 +167,37 @@ def test_decoding_matches_prefilling_the_generated_text() -> None:
         for cut in (1, 7, 19):
             nxt = cold_tokens(prompt + generated[:cut], {**GREEDY, "max_tokens": 1})
             assert nxt == [generated[cut]], f"prompt {length}, after {cut} tokens"
+
+
+def test_one_pass_holds_one_layer_of_float64_grid_at_a_time() -> None:
+    """A single pass over an empty sequence (a prefill that decodes nothing
+    more) never holds the whole KV as float64 grid copies, only one layer's
+    (issue #20: that copy was 2 GiB per Llama-3-8B-sized prefill)."""
+    # Many thin layers: the whole grid dwarfs one layer's activations.
+    config = EngineConfig(layers=48, kv_heads=2, head_dim=32, d_model=32)
+    tokens = prompt_of(1000, seed=2)
+    weights_for(config)
+    tracemalloc.start()
+    try:
+        seq = KVSequence(config, len(tokens))
+        seq.extend(tokens)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    whole_grid = seq.kv.size * np.dtype(np.float64).itemsize
+    assert peak < seq.kv.nbytes + whole_grid / 2
+
+
+def test_later_passes_attend_as_one_pass() -> None:
+    """Passes after the first (which keep the grid copies) give exactly the
+    logits a single pass over the same tokens gives."""
+    tokens = prompt_of(90, seed=4)
+    whole = KVSequence(EngineConfig(), len(tokens)).extend_logits(tokens, last=50)
+    split = KVSequence(EngineConfig(), len(tokens))
+    split.extend(tokens[:40])
+    parts = [split.extend_logits(tokens[40:70], last=30)]
+    parts += [split.extend([token])[None] for token in tokens[70:]]
+    assert np.concatenate(parts).tobytes() == whole.tobytes()
 
 
 def test_whole_prompt_cached_still_computes_its_last_token() -> None:

@@ -133,6 +133,12 @@ class KVSequence:
     of it, so a KV loaded from the store and a KV computed here are the same
     bits.
 
+    The grid copies are float64, four times a bf16 KV, so they are kept only
+    once a second pass needs them (issue #20: at Llama-3-8B's shape, 2 GiB
+    per 4,096-token prefill that decodes nothing more). The first pass over
+    an empty sequence grids one layer at a time and keeps none; a pass
+    starting later grids the positions before it, then keeps its own.
+
     Args:
         config: The model's configuration.
         capacity: Most tokens the sequence will hold.
@@ -141,12 +147,13 @@ class KVSequence:
     def __init__(self, config: EngineConfig, capacity: int) -> None:
         self._config = config
         self._weights = weights_for(config)
-        heads, dim = config.kv_heads, config.head_dim
         self.kv: npt.NDArray[Any] = np.zeros(
             (2, config.layers, capacity, config.width), dtype=config.kv_dtype
         )
-        self._grid = np.zeros((2, config.layers, heads, capacity, dim))
-        self._scale = 1 / math.sqrt(dim)
+        self._grid: F64 | None = None
+        #: Positions whose grid copies are in ``_grid``, in every layer.
+        self._gridded = 0
+        self._scale = 1 / math.sqrt(config.head_dim)
         self.length = 0
 
     def load(self, cached: npt.NDArray[Any], limit: int) -> int:
@@ -182,16 +189,47 @@ class KVSequence:
                 "infinite values"
             )
         self.kv[:, :, :count] = part
-        self._snap(0, count, slice(None))
         self.length = count
         return count
 
-    def _snap(self, start: int, end: int, layers: slice) -> None:
-        """Refresh the grid copies of positions ``start .. end-1``."""
+    def _layer_grid(self, index: int, start: int, end: int) -> F64:
+        """Layer ``index``'s ``[2, H, end, hd]`` grid copy of positions
+        ``0 .. end-1``.
+
+        Args:
+            index: The layer.
+            start: Where this pass's new positions begin.
+            end: Where they end.
+
+        Returns:
+            A view of the kept grid, or for a first pass a fresh copy.
+        """
+        if self._grid is None:
+            return self._gridded_kv(index, 0, end)
+        self._grid[:, index, :, start:end] = self._gridded_kv(index, start, end)
+        return self._grid[:, index, :, :end]
+
+    def _keep_grid(self, end: int) -> None:
+        """Keep the grid copies of positions ``0 .. end-1`` in every layer."""
+        if self._grid is None:
+            cfg = self._config
+            self._grid = np.zeros(
+                (2, cfg.layers, cfg.kv_heads, self.kv.shape[2], cfg.head_dim)
+            )
+        # A layer at a time: gridding all at once would hold a second copy.
+        for index in range(self._config.layers):
+            self._grid[:, index, :, self._gridded : end] = self._gridded_kv(
+                index, self._gridded, end
+            )
+        self._gridded = end
+
+    def _gridded_kv(self, index: int, start: int, end: int) -> F64:
+        """Layer ``index``'s stored K/V of ``start .. end-1``, on the grid."""
         cfg = self._config
-        stored = self.kv[:, layers, start:end]
-        stored = stored.reshape(*stored.shape[:3], cfg.kv_heads, cfg.head_dim)
-        self._grid[:, layers, :, start:end] = to_grid(stored.transpose(0, 1, 3, 2, 4))
+        stored = self.kv[:, index, start:end]
+        stored = stored.reshape(2, end - start, cfg.kv_heads, cfg.head_dim)
+        # Head-major rows, as attention's matmuls read them.
+        return to_grid(np.ascontiguousarray(stored.transpose(0, 2, 1, 3)))
 
     def _rotate(self, x: F64, start: int, end: int) -> F64:
         """Apply rotary positions ``start .. end-1`` to ``[H, M, hd]``."""
@@ -244,6 +282,8 @@ class KVSequence:
         start = self.length
         end = start + len(tokens)
         rows = end - start
+        if start:
+            self._keep_grid(start)
         x = w.embed[np.asarray(tokens, dtype=np.intp)]
         for index, layer in enumerate(w.layers):
             qkv = linear(rms_norm(x), layer.qkv)
@@ -258,7 +298,7 @@ class KVSequence:
                 .transpose(0, 2, 1, 3)
                 .reshape(2, rows, cfg.width)
             )
-            self._snap(start, end, slice(index, index + 1))
+            grid = self._layer_grid(index, start, end)
             rotated = self._rotate(q, start, end)
             if queries is not None:
                 # Laid out as a KV row ([M, D], heads side by side), and
@@ -269,17 +309,13 @@ class KVSequence:
                     .transpose(1, 0, 2)
                     .reshape(rows, cfg.width)
                 )
-            mixed = attend(
-                rotated,
-                self._grid[0, index],
-                self._grid[1, index],
-                start,
-                self._scale,
-            )
+            mixed = attend(rotated, grid[0], grid[1], start, self._scale)
             x = x + linear(mixed.transpose(1, 0, 2).reshape(rows, cfg.width), layer.out)
             hidden = np.maximum(linear(rms_norm(x), layer.up), 0.0)
             x = x + linear(hidden, layer.down)
         self.length = end
+        if self._grid is not None:
+            self._gridded = end
         logits: F64 = linear(rms_norm(x[-last:]), w.unembed)
         return logits
 
