@@ -93,39 +93,41 @@ class RedundancyDrop(ScoredDrop):
     def _priority(
         self, kv: npt.NDArray[Any], tokens: list[int], lo: int, hi: int
     ) -> npt.NDArray[Any]:
-        keys = self._unit_keys(kv)
-        redundancy = np.zeros(hi - lo, dtype=np.float64)
-        for group in keys:
-            if self.reduce == "max":
-                redundancy += _max_similarity(group, lo, hi)
-            else:
-                redundancy += _mean_similarity(group, lo, hi)
-        return -redundancy / len(keys)
-
-    def _unit_keys(self, kv: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
-        """Return the scored keys as ``[groups, T, d]`` unit vectors."""
         owner = type(self).__name__
-        _, n_layers, total, width = kv.shape
+        _, n_layers, _, width = kv.shape
         layers = (
             list(range(n_layers))
             if self.layers is None
             else resolve_layers(owner, tuple(self.layers), n_layers)
         )
-        # Fancy indexing already copied, so normalizing in place is safe.
-        keys = kv[0, layers].astype(np.float32, copy=False)
-        if self.heads is not None:
-            if width % self.heads:
-                raise ValueError(
-                    f"{owner}: parameter 'heads' is {self.heads}, which does not "
-                    f"divide the KV width {width}"
-                )
-            keys = keys.reshape(len(layers), total, self.heads, width // self.heads)
-            keys = keys.transpose(0, 2, 1, 3).reshape(
-                len(layers) * self.heads, total, width // self.heads
+        heads = 1 if self.heads is None else self.heads
+        if width % heads:
+            raise ValueError(
+                f"{owner}: parameter 'heads' is {heads}, which does not "
+                f"divide the KV width {width}"
             )
-        norms = np.linalg.norm(keys, axis=-1, keepdims=True)
-        keys /= np.maximum(norms, np.finfo(np.float32).tiny)
-        return keys
+        similarity = _max_similarity if self.reduce == "max" else _mean_similarity
+        redundancy = np.zeros(hi - lo, dtype=np.float64)
+        # A layer at a time (issue #20): float32 keys of every layer at once
+        # were another copy of the KV's size, 512 MiB per Llama-3-8B stream.
+        for layer in layers:
+            for group in _unit_keys(kv[0, layer], heads):
+                redundancy += similarity(group, lo, hi)
+        return -redundancy / (len(layers) * heads)
+
+
+def _unit_keys(keys: npt.NDArray[Any], heads: int) -> npt.NDArray[np.float32]:
+    """One layer's ``[T, D]`` keys as ``[heads, T, D / heads]`` unit vectors."""
+    total, width = keys.shape
+    # A copy always (np.array's default), so normalizing it leaves the KV be.
+    unit = np.array(
+        keys.reshape(total, heads, width // heads).transpose(1, 0, 2),
+        dtype=np.float32,
+        order="C",
+    )
+    norms = np.linalg.norm(unit, axis=-1, keepdims=True)
+    unit /= np.maximum(norms, np.finfo(np.float32).tiny)
+    return unit
 
 
 def _max_similarity(
