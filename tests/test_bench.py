@@ -379,40 +379,52 @@ def test_kv_rate_and_memcpy_ratio_follow_their_definitions(
     assert "KV GB/s" in header and "x memcpy" in header and "peak RSS" in header
 
 
-def test_each_run_writes_an_arena_of_the_prompts_kv_twice_and_reports_it(
+def test_each_run_writes_an_arena_of_what_it_writes_and_reports_it(
     synthetic_run: dict[str, Any],
 ) -> None:
-    """By default each run's temporary store writes an arena of twice the
-    prompts' KV before the phases; the JSON gives its bytes and fill time,
-    the table a note."""
+    """By default each run's temporary store writes an arena of the prompts'
+    KV and the half that pyscore keeps before the phases; the JSON gives its
+    bytes and fill time, the table a note."""
     kv = 2 * 2 * 64 * 1 * 16 * 2  # streams x (K, V) x tokens x layers x width x bf16
     point = synthetic_run["points"][0]
     for ex in point["executors"].values():
-        assert ex["arena_bytes"] == 2 * kv
+        assert ex["arena_bytes"] == kv + kv // 2
         assert ex["arena_fill_s"]["median"] > 0
-    assert f"store arena: {2 * kv // 1024}.0 KiB of chunk files" in format_point(point)
+    note = f"store arena: {(kv + kv // 2) / 1024:.1f} KiB of chunk files"
+    assert note in format_point(point)
+
+
+#: Every prompt's KV in BenchConfig(streams=3, prompt_tokens=64, layers=2,
+#: kv_heads=2, head_dim=8): 3 x [2, 2, 64, 16] float32.
+_PROMPTS_KV = 3 * (2 * 2 * 64 * 16 * 4)
 
 
 @pytest.mark.parametrize(
-    ("fields", "capacity", "expected"),
+    ("fields", "capacity", "edit", "expected"),
     [
-        ({}, 1 << 40, 2 * 3 * (2 * 2 * 16 * 64 * 4)),
-        ({}, 1000, 500),
-        ({"arena_bytes": 5}, 1 << 40, 5),
-        ({"arena_bytes": 0}, 1 << 40, 0),
-        ({"store": "shm:///bench"}, 1 << 40, 0),
+        ({}, 1 << 40, None, 2 * _PROMPTS_KV),
+        ({}, 1 << 40, "identity", 2 * _PROMPTS_KV),
+        ({}, 1 << 40, "stride", 1.5 * _PROMPTS_KV),
+        ({}, 1 << 40, "redundancy", 1.5 * _PROMPTS_KV),
+        ({"keep": 0.25}, 1 << 40, "snapkv", 1.25 * _PROMPTS_KV),
+        ({"keep": 0.25}, 1 << 40, "stride", 1.5 * _PROMPTS_KV),
+        ({}, 1000, None, 500),
+        ({"arena_bytes": 5}, 1 << 40, "stride", 5),
+        ({"arena_bytes": 0}, 1 << 40, None, 0),
+        ({"store": "shm:///bench"}, 1 << 40, None, 0),
     ],
 )
-def test_the_run_arena_is_given_or_the_prompts_kv_twice_within_half_the_capacity(
-    fields: dict[str, Any], capacity: int, expected: int
+def test_the_run_arena_is_given_or_what_the_run_writes_within_half_the_capacity(
+    fields: dict[str, Any], capacity: int, edit: str | None, expected: float
 ) -> None:
     """arena_bytes when given; else, for the temporary store, every prompt's
-    KV twice (prefill and an edit as long), no more than half the capacity;
+    KV and what the edit keeps of it (keep for the dropping edits, one in
+    two for stride, all for the others), no more than half the capacity;
     for a store by URL, none."""
     config = BenchConfig(
         streams=3, prompt_tokens=64, layers=2, kv_heads=2, head_dim=8, **fields
     )
-    assert config.run_arena_bytes(capacity) == expected
+    assert config.run_arena_bytes(capacity, edit) == expected
 
 
 def test_auto_unhinted_measures_the_edit_the_hinted_run_skips(

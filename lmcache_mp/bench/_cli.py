@@ -243,7 +243,8 @@ def add_bench_parser(
         help="GiB of chunk files each run's shared-memory store writes "
         "before the phases, for its writes to fill instead of allocating "
         "pages (counted against the capacity; default: for the temporary "
-        "store, the prompts' KV twice over, at most half its capacity; "
+        "store, the prompts' KV and what the edit keeps of it, at most half "
+        "its capacity; "
         "for a --store, none; 0: none)",
     )
     out = p.add_argument_group("measuring and output")

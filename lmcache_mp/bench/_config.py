@@ -13,7 +13,14 @@ import numpy as np
 from lmcache_mp.bench._eval_prompts import document_tokens
 from lmcache_mp.bench._shapes import SHAPES
 from lmcache_mp.bench._synthetic import SYNTHETIC_VOCAB, SyntheticEngine
-from lmcache_mp.edits import EDITS, KIND_EDITS, AttentionConfig, Edit, make_edit
+from lmcache_mp.edits import (
+    EDITS,
+    KIND_EDITS,
+    AttentionConfig,
+    Edit,
+    Stride,
+    make_edit,
+)
 from lmcache_mp.engine import EmbeddedEngine, EngineConfig, HFEngine
 from lmcache_mp.engine._config import KV_DTYPES
 from lmcache_mp.engine._hf_load import LoadedModel, load_model, resolve
@@ -315,20 +322,22 @@ class BenchConfig:
         itemsize = resolve_dtype(self.dtype).itemsize
         return 2 * self.layers * self.width * self.prompt_tokens * itemsize
 
-    def run_arena_bytes(self, capacity: int) -> int:
+    def run_arena_bytes(self, capacity: int, edit: str | None = None) -> int:
         """The arena each run's store writes before the phases.
 
         ``arena_bytes`` when given. Otherwise, for the temporary
-        shared-memory store, what the run writes at most: every prompt's KV
-        and an edit as long again (issue #20: into pages written ahead, a
-        stride edit moved KV at 0.40x memcpy, against 0.21x into new pages
-        in the same hour), no more than half of ``capacity`` (the store's
-        own capacity, read again as it connects, may come out a little
-        lower, and other stores share the filesystem); for a store given by
-        URL, none.
+        shared-memory store, what the run writes: every prompt's KV and
+        what ``edit`` keeps of it (:meth:`kept_fraction`; issue #20: into
+        pages written ahead, a stride edit moved KV at 0.40x memcpy,
+        against 0.21x into new pages in the same hour; an arena beyond what
+        the run writes only adds memory), no more than half of
+        ``capacity`` (the store's own capacity, read again as it connects,
+        may come out a little lower, and other stores share the
+        filesystem); for a store given by URL, none.
 
         Args:
             capacity: Bytes the temporary store would hold.
+            edit: The name of the run's edit (``None``: one keeping all).
 
         Returns:
             Bytes of arena.
@@ -337,7 +346,25 @@ class BenchConfig:
             return self.arena_bytes
         if self.store is not None:
             return 0
-        return min(2 * self.streams * self.prompt_kv_bytes, capacity // 2)
+        written = (1 + self.kept_fraction(edit)) * self.streams * self.prompt_kv_bytes
+        return min(round(written), capacity // 2)
+
+    def kept_fraction(self, edit: str | None) -> float:
+        """The share of a prompt's tokens the bench's ``edit`` keeps.
+
+        Args:
+            edit: A name of :data:`BENCH_EDITS`, or ``None``.
+
+        Returns:
+            ``keep`` for the :data:`DROPPING_EDITS`; one in ``every`` for
+            ``stride``; 1 for the others (and ``None``), which keep every
+            token.
+        """
+        if edit == "stride":
+            return 1 / Stride.every
+        if edit in DROPPING_EDITS:
+            return DEFAULT_KEEP if self.keep is None else self.keep
+        return 1.0
 
     def engine_config(self) -> EngineConfig:
         """The embedded model: ``d_model`` is the attention width.
