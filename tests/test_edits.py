@@ -26,6 +26,7 @@ from lmcache_mp.edits import (
     RecentWindow,
     RedundancyDrop,
     Stride,
+    _redundancy,
     keep_indices,
     make_edit,
 )
@@ -489,6 +490,23 @@ def test_redundancy_handles_zero_keys_without_warnings() -> None:
             kv, list(range(32))
         )
     assert len(new_tokens) == 16
+
+
+@pytest.mark.parametrize("block", [1 << 20, 97 * 40, 40])
+@pytest.mark.parametrize(("lo", "hi"), [(0, 97), (5, 90), (60, 61)])
+def test_redundancy_max_is_each_tokens_closest_other_token(
+    monkeypatch: pytest.MonkeyPatch, block: int, lo: int, hi: int
+) -> None:
+    """Computed over half the similarity matrix, block by block, a token's
+    "max" redundancy is still its largest similarity to any other token:
+    the full matrix's row maximum off the diagonal, whatever the blocks."""
+    monkeypatch.setattr(_redundancy, "_BLOCK_ELEMENTS", block)
+    keys = np.random.default_rng(3).standard_normal((97, 12)).astype(np.float32)
+    keys[40] = keys[7]
+    full = keys.astype(np.float64) @ keys.T.astype(np.float64)
+    np.fill_diagonal(full, -np.inf)
+    got = _redundancy._max_similarity(keys, lo, hi)
+    np.testing.assert_allclose(got, full.max(axis=1)[lo:hi], rtol=1e-5)
 
 
 def test_redundancy_holds_one_layers_float32_keys_at_a_time() -> None:

@@ -15,9 +15,10 @@ from lmcache_mp.hints import releases_gil
 
 __all__ = ["RedundancyDrop"]
 
-# Elements of one block of the similarity matrix (64 MiB of float32): bounds
-# memory whatever T while keeping each matmul large enough for BLAS.
-_BLOCK_ELEMENTS = 1 << 24
+# Elements of one block of the similarity matrix (4 MiB of float32): bounds
+# memory whatever T, and keeps the block in cache between the matmul and
+# the maxima that read it, while each matmul stays large enough for BLAS.
+_BLOCK_ELEMENTS = 1 << 20
 
 
 @releases_gil
@@ -34,7 +35,8 @@ class RedundancyDrop(ScoredDrop):
 
     * ``"max"``: the similarity to its closest other token. Needs the
       ``T x T`` similarity matrix: ``O(T^2 * D)`` per layer, computed by
-      BLAS in row blocks of bounded memory. Two identical keys score
+      BLAS in row blocks of bounded memory, each half of it (the matrix
+      is symmetric). Two identical keys score
       alike, so one of them goes before any distinct key does.
     * ``"mean"``: the mean similarity to all other tokens, which reduces
       to one dot product with the sum of the keys: ``O(T * D)``.
@@ -133,17 +135,30 @@ def _unit_keys(keys: npt.NDArray[Any], heads: int) -> npt.NDArray[np.float32]:
 def _max_similarity(
     keys: npt.NDArray[np.float32], lo: int, hi: int
 ) -> npt.NDArray[np.float32]:
-    """Each of tokens ``lo..hi-1``'s largest cosine similarity to another."""
+    """Each of tokens ``lo..hi-1``'s largest cosine similarity to another.
+
+    The similarity matrix is symmetric, so a block of rows is multiplied
+    only by the keys from its first row on, and its maxima update both its
+    rows and those columns: half the multiplications of the whole matrix.
+    Blocks of ``_BLOCK_ELEMENTS`` stay in cache for the two maxima, and
+    one buffer serves them all.
+    """
     total = keys.shape[0]
     rows = max(1, _BLOCK_ELEMENTS // total)
-    out = np.empty(hi - lo, dtype=np.float32)
-    for start in range(lo, hi, rows):
-        stop = min(start + rows, hi)
-        sim = keys[start:stop] @ keys.T
+    best = np.full(total, -np.inf, dtype=np.float32)
+    buffer = np.empty(min(rows, total) * total, dtype=np.float32)
+    # Blocks from hi on only add pairs of tokens at or after hi.
+    for start in range(0, hi, rows):
+        stop = min(start + rows, total)
+        sim = buffer[: (stop - start) * (total - start)].reshape(
+            stop - start, total - start
+        )
+        np.matmul(keys[start:stop], keys[start:].T, out=sim)
         # A token is trivially similar to itself: mask the diagonal.
-        sim[np.arange(stop - start), np.arange(start, stop)] = -np.inf
-        out[start - lo : stop - lo] = sim.max(axis=1)
-    return out
+        sim[np.arange(stop - start), np.arange(stop - start)] = -np.inf
+        np.maximum(best[start:stop], sim.max(axis=1), out=best[start:stop])
+        np.maximum(best[start:], sim.max(axis=0), out=best[start:])
+    return best[lo:hi]
 
 
 def _mean_similarity(
