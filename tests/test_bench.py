@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import json
 import mmap
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -670,6 +672,30 @@ def test_auto_is_rated_against_the_better_of_threads_and_processes() -> None:
     text = format_point(point_figures(config, "random", None, [runs], cores=2))
     assert "modify, auto vs the better of thread and process: 0.80x" in text
     assert "modify, auto-unhinted vs the better of thread and process: 0.50x" in text
+
+
+def test_peak_rss_is_rated_against_the_kv_held_and_two_streams_per_worker(
+    synthetic_run: dict[str, Any],
+) -> None:
+    """The notes give each executor's bound of issue #20 (the KV the store
+    holds at the end + 2 streams' KV per worker + 1 GiB) and name the
+    phases whose peak RSS is above it, and only those."""
+    point = copy.deepcopy(synthetic_run["points"][0])
+    per_token = 2 * TINY["layers"] * TINY["kv_heads"] * TINY["head_dim"] * 2
+    thread = point["executors"]["thread"]
+    phases = thread["phases"]
+    held = phases["prefill"]["input_tokens"]["median"]
+    held += phases["modify"]["tokens_after"]["median"]
+    two_streams = 2 * per_token * TINY["prompt_tokens"]
+    bound = per_token * held + two_streams * thread["workers"] + 2**30
+    phases["prefill"]["peak_rss_bytes"]["median"] = bound + 1
+    phases["modify"]["peak_rss_bytes"]["median"] = bound
+    line = next(
+        line for line in format_point(point).splitlines() if "peak RSS bound" in line
+    )
+    assert re.search(r"thread [\d.]+ GiB \(over it: prefill [\d.]+ GiB\);", line)
+    assert re.search(r"auto [\d.]+ GiB[;.]", line)
+    assert "modify" not in line
 
 
 def test_differing_decode_outputs_are_reported() -> None:

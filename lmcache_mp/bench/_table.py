@@ -10,6 +10,7 @@ from tabulate import tabulate
 
 from lmcache_mp.bench._config import SYNTHETIC, TOY
 from lmcache_mp.bench._figures import BASIS_SERIAL
+from lmcache_mp.kv._layout import resolve_dtype
 
 __all__ = ["format_header", "format_point"]
 
@@ -222,6 +223,43 @@ def _auto_notes(executors: dict[str, Any]) -> list[str]:
     ]
 
 
+def _memory_note(point: dict[str, Any]) -> list[str]:
+    """Each executor's peak RSS against issue #20's bound: the KV the store
+    holds at the end (every prompt token's and every kept token's), plus
+    two streams' KV per worker, plus 1 GiB."""
+    config, executors = point["config"], point["executors"]
+    first = next(iter(executors.values()))["phases"]
+    if first["modify"]["tokens_after"] is None:
+        return []
+    per_token = (
+        2
+        * config["layers"]
+        * config["kv_heads"]
+        * config["head_dim"]
+        * resolve_dtype(config["dtype"]).itemsize
+    )
+    tokens = first["prefill"]["input_tokens"]["median"]
+    stored = per_token * (tokens + first["modify"]["tokens_after"]["median"])
+    stream_kv = per_token * config["prompt_tokens"]
+    parts = []
+    for name, ex in executors.items():
+        bound = stored + 2 * stream_kv * ex["workers"] + 2**30
+        over = [
+            f"{phase} {_bytes(ex['phases'][phase]['peak_rss_bytes']['median'])}"
+            for phase in _LATENCY
+            if ex["phases"][phase]["peak_rss_bytes"]["median"] > bound
+        ]
+        parts.append(
+            f"{name} {_bytes(bound)}"
+            + (f" (over it: {', '.join(over)})" if over else "")
+        )
+    return [
+        f"peak RSS bound (issue #20: the KV the store holds, {_bytes(stored)}, + 2 "
+        f"streams' KV, {_bytes(2 * stream_kv)}, per worker + 1 GiB): "
+        f"{'; '.join(parts)}."
+    ]
+
+
 def _notes(point: dict[str, Any]) -> list[str]:
     ideal = point["ideal_parallelism"]
     notes = [
@@ -274,6 +312,7 @@ def _notes(point: dict[str, Any]) -> list[str]:
             f"{1 / 1.2:.2f}x, i.e. within 1.2x, on overhead-dominated edits)."
         )
     notes += _auto_notes(executors)
+    notes += _memory_note(point)
     for name, ex in executors.items():
         config = (
             ex["phases"]["modify"]["reports"][0].get("metrics", {}).get("config", {})
