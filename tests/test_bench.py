@@ -41,6 +41,7 @@ from lmcache_mp.bench._table import format_point
 from lmcache_mp.bench._unhinted import Unhinted
 from lmcache_mp.hints import gil_hint
 from lmcache_mp.kv import SharedMemoryKVStore
+from lmcache_mp.kv._chunk import HEADER_SIZE
 
 ROOT = Path(__file__).resolve().parents[1]
 #: A model and batch small enough that a whole run takes well under a second.
@@ -387,29 +388,31 @@ def test_each_run_writes_an_arena_of_what_it_writes_and_reports_it(
     """By default each run's temporary store writes an arena of the prompts'
     KV and the half that pyscore keeps before the phases; the JSON gives its
     bytes and fill time, the table a note."""
-    kv = 2 * 2 * 64 * 1 * 16 * 2  # streams x (K, V) x tokens x layers x width x bf16
+    # 2 streams x (4 chunks of prompt + 2 kept) x [2, 1, 16, 16] bf16.
+    arena = 2 * (4 + 2) * (HEADER_SIZE + 2 * 1 * 16 * 16 * 2)
     point = synthetic_run["points"][0]
     for ex in point["executors"].values():
-        assert ex["arena_bytes"] == kv + kv // 2
+        assert ex["arena_bytes"] == arena
         assert ex["arena_fill_s"]["median"] > 0
-    note = f"store arena: {(kv + kv // 2) / 1024:.1f} KiB of chunk files"
+    note = f"store arena: {arena / 1024:.1f} KiB of chunk files"
     assert note in format_point(point)
 
 
-#: Every prompt's KV in BenchConfig(streams=3, prompt_tokens=64, layers=2,
-#: kv_heads=2, head_dim=8): 3 x [2, 2, 64, 16] float32.
-_PROMPTS_KV = 3 * (2 * 2 * 64 * 16 * 4)
+#: A chunk file of BenchConfig(streams=3, prompt_tokens=64, layers=2,
+#: kv_heads=2, head_dim=8, chunk_size=16): [2, 2, 16, 16] float32 + header.
+_FILE = HEADER_SIZE + 2 * 2 * 16 * 16 * 4
 
 
 @pytest.mark.parametrize(
     ("fields", "capacity", "edit", "expected"),
     [
-        ({}, 1 << 40, None, 2 * _PROMPTS_KV),
-        ({}, 1 << 40, "identity", 2 * _PROMPTS_KV),
-        ({}, 1 << 40, "stride", 1.5 * _PROMPTS_KV),
-        ({}, 1 << 40, "redundancy", 1.5 * _PROMPTS_KV),
-        ({"keep": 0.25}, 1 << 40, "snapkv", 1.25 * _PROMPTS_KV),
-        ({"keep": 0.25}, 1 << 40, "stride", 1.5 * _PROMPTS_KV),
+        ({}, 1 << 40, None, 3 * (4 + 4) * _FILE),
+        ({}, 1 << 40, "identity", 3 * (4 + 4) * _FILE),
+        ({}, 1 << 40, "stride", 3 * (4 + 2) * _FILE),
+        ({}, 1 << 40, "redundancy", 3 * (4 + 2) * _FILE),
+        ({"keep": 0.25}, 1 << 40, "snapkv", 3 * (4 + 1) * _FILE),
+        ({"keep": 0.25}, 1 << 40, "stride", 3 * (4 + 2) * _FILE),
+        ({"keep": 0.2}, 1 << 40, "snapkv", 3 * (4 + 0) * _FILE),
         ({}, 1000, None, 500),
         ({"arena_bytes": 5}, 1 << 40, "stride", 5),
         ({"arena_bytes": 0}, 1 << 40, None, 0),
@@ -419,12 +422,18 @@ _PROMPTS_KV = 3 * (2 * 2 * 64 * 16 * 4)
 def test_the_run_arena_is_given_or_what_the_run_writes_within_half_the_capacity(
     fields: dict[str, Any], capacity: int, edit: str | None, expected: float
 ) -> None:
-    """arena_bytes when given; else, for the temporary store, every prompt's
-    KV and what the edit keeps of it (keep for the dropping edits, one in
-    two for stride, all for the others), no more than half the capacity;
-    for a store by URL, none."""
+    """arena_bytes when given; else, for the temporary store, the chunk
+    files of every prompt's full chunks and of those the edit keeps (keep
+    for the dropping edits, one in two for stride, all for the others), no
+    more than half the capacity; for a store by URL, none."""
     config = BenchConfig(
-        streams=3, prompt_tokens=64, layers=2, kv_heads=2, head_dim=8, **fields
+        streams=3,
+        prompt_tokens=64,
+        layers=2,
+        kv_heads=2,
+        head_dim=8,
+        chunk_size=16,
+        **fields,
     )
     assert config.run_arena_bytes(capacity, edit) == expected
 

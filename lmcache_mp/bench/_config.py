@@ -26,6 +26,7 @@ from lmcache_mp.engine._config import KV_DTYPES
 from lmcache_mp.engine._hf_load import LoadedModel, load_model, resolve
 from lmcache_mp.executors import EXECUTOR_NAMES
 from lmcache_mp.kv import KVContext
+from lmcache_mp.kv._chunk import HEADER_SIZE
 from lmcache_mp.kv._layout import resolve_dtype
 
 __all__ = [
@@ -326,8 +327,9 @@ class BenchConfig:
         """The arena each run's store writes before the phases.
 
         ``arena_bytes`` when given. Otherwise, for the temporary
-        shared-memory store, what the run writes: every prompt's KV and
-        what ``edit`` keeps of it (:meth:`kept_fraction`; issue #20: into
+        shared-memory store, the chunk files the run writes: every
+        prompt's full chunks and those of what ``edit`` keeps of it
+        (:meth:`kept_fraction`; issue #20: into
         pages written ahead, a stride edit moved KV at 0.40x memcpy,
         against 0.21x into new pages in the same hour; an arena beyond what
         the run writes only adds memory), no more than half of
@@ -346,8 +348,13 @@ class BenchConfig:
             return self.arena_bytes
         if self.store is not None:
             return 0
-        written = (1 + self.kept_fraction(edit)) * self.streams * self.prompt_kv_bytes
-        return min(round(written), capacity // 2)
+        kept = round(self.kept_fraction(edit) * self.prompt_tokens)
+        # The store keeps full chunks only, a file each, with a header.
+        files = self.streams * (
+            self.prompt_tokens // self.chunk_size + kept // self.chunk_size
+        )
+        chunk_kv = self.prompt_kv_bytes // self.prompt_tokens * self.chunk_size
+        return min(files * (HEADER_SIZE + chunk_kv), capacity // 2)
 
     def kept_fraction(self, edit: str | None) -> float:
         """The share of a prompt's tokens the bench's ``edit`` keeps.
