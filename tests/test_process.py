@@ -318,7 +318,10 @@ def test_a_hold_that_says_go_on_is_not_asked_again(
 #: reading it rather than to the main thread, as the kernel may do with a
 #: process-directed signal.
 _SIGINT_ON_A_LINE = """
-import signal, threading
+import faulthandler, signal, threading
+# Still running 10 s on (9 s after the SIGINT): every thread's stack goes to
+# stderr, which the test's report shows (CI hung here, 2026-12-04).
+faulthandler.dump_traceback_later(10)
 def _interrupt():
     sys.stdin.readline()
     signal.pthread_kill(threading.get_ident(), signal.SIGINT)
