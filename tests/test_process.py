@@ -319,8 +319,12 @@ def test_a_hold_that_says_go_on_is_not_asked_again(
 #: process-directed signal.
 _SIGINT_ON_A_LINE = """
 import faulthandler, signal, threading
+# Python keeps SIGINT ignored when it starts so, as a pytest run from a
+# shell's background job (`cmd &`) passes it on: the child then never saw
+# the signal and both variants hung. Ctrl-C at a terminal has the default.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 # Still running 10 s on (9 s after the SIGINT): every thread's stack goes to
-# stderr, which the test's report shows (CI hung here, 2026-12-04).
+# stderr, which the test's report shows.
 faulthandler.dump_traceback_later(10)
 def _interrupt():
     sys.stdin.readline()
