@@ -707,6 +707,17 @@ def test_peak_rss_is_rated_against_the_kv_held_and_two_streams_per_worker(
     assert "modify" not in line
 
 
+def test_peak_rss_is_not_rated_for_a_model_engine(
+    all_executors: dict[str, Any],
+) -> None:
+    """A model engine's workers each hold its weights, so the notes of a
+    run on one (here the toy model) give no bound of issue #20."""
+    point = all_executors["points"][0]
+    assert point["config"]["engine"] == "toy"
+    assert point["executors"]["process"]["phases"]["modify"]["tokens_after"]
+    assert "peak RSS bound" not in format_point(point)
+
+
 def test_differing_decode_outputs_are_reported() -> None:
     """A stream whose decoded tokens differ between executors is counted
     and the point says the outputs do not agree."""

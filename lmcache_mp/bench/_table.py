@@ -226,10 +226,11 @@ def _auto_notes(executors: dict[str, Any]) -> list[str]:
 def _memory_note(point: dict[str, Any]) -> list[str]:
     """Each executor's peak RSS against issue #20's bound: the KV the store
     holds at the end (every prompt token's and every kept token's), plus
-    two streams' KV per worker, plus 1 GiB."""
+    two streams' KV per worker, plus 1 GiB. Only for the synthetic engine
+    (``--shape`` runs): a model engine's workers each hold its weights."""
     config, executors = point["config"], point["executors"]
     first = next(iter(executors.values()))["phases"]
-    if first["modify"]["tokens_after"] is None:
+    if config["engine"] != SYNTHETIC or first["modify"]["tokens_after"] is None:
         return []
     per_token = (
         2
