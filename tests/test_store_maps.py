@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,7 +16,8 @@ import pytest
 from lmcache_mp.bench._monitor import _shmem_kib
 from lmcache_mp.kv import SharedMemoryKVStore, _maps
 from lmcache_mp.kv._chunk import HEADER_SIZE, decode_chunk
-from lmcache_mp.kv._files import CHUNK_SUFFIX, punch
+from lmcache_mp.kv._files import CHUNK_SUFFIX, TEMP_PREFIX, punch
+from lmcache_mp.kv._layout import LAYOUT_FILE, load_layout
 from lmcache_mp.kv._recycle import FREE_PREFIX, remove_free
 from tests._fakes import LAYERS, WIDTH, kv_for
 from tests._store_util import StoreFactory, spawned_pool
@@ -159,6 +161,28 @@ def test_punching_a_file_frees_its_pages_under_a_mapping(
     st = os.stat(path)
     assert (st.st_size, st.st_blocks) == (CHUNK, 0)
     assert not np.frombuffer(mapped, np.uint8).any()
+
+
+def test_a_stale_temp_name_of_a_live_file_leaves_its_pages(
+    stores: StoreFactory,
+) -> None:
+    """A temp name that a writer killed between ``os.link`` and ``unlink``
+    left on the store's layout is swept, and the layout keeps its bytes
+    (a new handle reads the store): only a file's last name is emptied."""
+    ctx = stores.connect(chunk_size=C, **LAYOUT)
+    ctx.store(kv_for(TOKENS[:C]), TOKENS[:C])
+    # Not a pid: its writer counts as dead.
+    stale = f"{TEMP_PREFIX}dead-0"
+    os.link(os.path.join(ctx.path, LAYOUT_FILE), os.path.join(ctx.path, stale))
+    assert ctx.sweep() == 1
+    assert stale not in os.listdir(ctx.path)
+    fd = os.open(ctx.path, os.O_RDONLY)
+    try:
+        assert load_layout(fd, ctx.path) == ctx.layout
+    finally:
+        os.close(fd)
+    reopened = stores.track(pickle.loads(pickle.dumps(ctx)))
+    np.testing.assert_array_equal(reopened.retrieve(TOKENS[:C]), kv_for(TOKENS[:C]))
 
 
 def test_a_process_keeps_no_more_mappings_than_its_limit(

@@ -144,7 +144,11 @@ def punch(dir_fd: int, name: str) -> None:
     Another process may keep the file mapped (:mod:`~lmcache_mp.kv._maps`),
     and a removed file's pages live as long as a mapping of them; emptied
     first, it holds none. A reader still copying from it sees zeros, which
-    its chunk's digest rejects.
+    its chunk's digest rejects. Only a file's last name is emptied: a temp
+    name left by a writer killed between publishing a file by ``os.link``
+    and unlinking the temp (the layout, a replaced chunk) shares the pages
+    of a live file, and emptying it zeroed the store's layout (a CI run of
+    test_writer_killed_at_random_leaves_only_whole_chunks).
     """
     if _MADV_REMOVE is None:
         return
@@ -152,7 +156,7 @@ def punch(dir_fd: int, name: str) -> None:
         fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         try:
             st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode) and st.st_size:
+            if stat.S_ISREG(st.st_mode) and st.st_size and st.st_nlink == 1:
                 with mmap.mmap(fd, st.st_size, mmap.MAP_SHARED) as mapped:
                     mapped.madvise(_MADV_REMOVE)
         finally:
