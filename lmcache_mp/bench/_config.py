@@ -26,8 +26,8 @@ from lmcache_mp.engine._config import KV_DTYPES
 from lmcache_mp.engine._hf_load import LoadedModel, load_model, resolve
 from lmcache_mp.executors import EXECUTOR_NAMES
 from lmcache_mp.kv import KVContext
-from lmcache_mp.kv._chunk import HEADER_SIZE
-from lmcache_mp.kv._layout import resolve_dtype
+from lmcache_mp.kv._chunk import chunk_file_size
+from lmcache_mp.kv._layout import Layout, resolve_dtype
 
 __all__ = [
     "AUTO_UNHINTED",
@@ -353,8 +353,8 @@ class BenchConfig:
         files = self.streams * (
             self.prompt_tokens // self.chunk_size + kept // self.chunk_size
         )
-        chunk_kv = self.prompt_kv_bytes // self.prompt_tokens * self.chunk_size
-        return min(files * (HEADER_SIZE + chunk_kv), capacity // 2)
+        layout = Layout(self.layers, self.width, resolve_dtype(self.dtype))
+        return min(files * chunk_file_size(layout, self.chunk_size), capacity // 2)
 
     def kept_fraction(self, edit: str | None) -> float:
         """The share of a prompt's tokens the bench's ``edit`` keeps.

@@ -160,10 +160,9 @@ def run_once(
     """
     # An edit scored with queries (issue #21) gets 0.5.6 streams with a
     # QUERY context, whose queries the engine records during the prefill.
-    scored = getattr(edit, "name", None) in KIND_EDITS
-    arena = config.run_arena_bytes(
-        default_capacity(shm_root()), getattr(edit, "name", None)
-    )
+    edit_name = getattr(edit, "name", None)
+    scored = edit_name in KIND_EDITS
+    arena = config.run_arena_bytes(default_capacity(shm_root()), edit_name)
     begin = time.perf_counter()
     store = connect(
         None if config.store is None else fresh_store_url(config.store),

@@ -105,6 +105,12 @@ def _rows(point: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _kv_per_token(cfg: dict[str, Any]) -> int:
+    """Bytes of one token's KV (K and V of every layer) in a run's config."""
+    itemsize = resolve_dtype(cfg["dtype"]).itemsize
+    return 2 * cfg["layers"] * cfg["kv_heads"] * cfg["head_dim"] * itemsize
+
+
 def format_header(result: dict[str, Any]) -> str:
     """The lines describing the run: config and machine.
 
@@ -115,9 +121,7 @@ def format_header(result: dict[str, Any]) -> str:
         The text, without a trailing newline.
     """
     cfg, machine = result["config"], result["machine"]
-    kv_per_stream = (
-        2 * cfg["layers"] * cfg["kv_heads"] * cfg["head_dim"] * cfg["prompt_tokens"]
-    ) * (4 if cfg["dtype"] == "float32" else 2)
+    kv_per_stream = _kv_per_token(cfg) * cfg["prompt_tokens"]
     shape = cfg.get("shape")
     model = f"{shape} shape" if shape else "model"
     engine = cfg.get("engine", TOY)
@@ -230,15 +234,12 @@ def _memory_note(point: dict[str, Any]) -> list[str]:
     (``--shape`` runs): a model engine's workers each hold its weights."""
     config, executors = point["config"], point["executors"]
     first = next(iter(executors.values()))["phases"]
-    if config["engine"] != SYNTHETIC or first["modify"]["tokens_after"] is None:
+    if (
+        config.get("engine", TOY) != SYNTHETIC
+        or first["modify"]["tokens_after"] is None
+    ):
         return []
-    per_token = (
-        2
-        * config["layers"]
-        * config["kv_heads"]
-        * config["head_dim"]
-        * resolve_dtype(config["dtype"]).itemsize
-    )
+    per_token = _kv_per_token(config)
     tokens = first["prefill"]["input_tokens"]["median"]
     stored = per_token * (tokens + first["modify"]["tokens_after"]["median"])
     stream_kv = per_token * config["prompt_tokens"]

@@ -239,7 +239,7 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
             size = chunk_file_size(layout, self._chunk_size)
             fill_arena(fd, self._usage, arena, size, self._url)
         if not self._mapped:
-            self.map_arena()
+            self._keep_arena(fd, layout)
         return checked
 
     def map_arena(self) -> int:
@@ -262,6 +262,10 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
         layout = self.layout
         if layout is None:
             return 0
+        return self._keep_arena(fd, layout)
+
+    def _keep_arena(self, fd: int, layout: Layout) -> int:
+        """:meth:`map_arena` with the directory and layout already at hand."""
         self._mapped = True
         return keep_arena(fd, chunk_file_size(layout, self._chunk_size))
 
@@ -298,7 +302,7 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
             self._counts.add(misses=1)
             return None
         if not self._mapped:
-            self.map_arena()
+            self._keep_arena(fd, layout)
         wanted = len(toks) // size
         return read_prefix(fd, self._path, self._counts, layout, size, keys, wanted)
 
