@@ -108,7 +108,7 @@ def _rows(point: dict[str, Any]) -> list[list[str]]:
 def _kv_per_token(cfg: dict[str, Any]) -> int:
     """Bytes of one token's KV (K and V of every layer) in a run's config."""
     itemsize = resolve_dtype(cfg["dtype"]).itemsize
-    return 2 * cfg["layers"] * cfg["kv_heads"] * cfg["head_dim"] * itemsize
+    return int(2 * cfg["layers"] * cfg["kv_heads"] * cfg["head_dim"] * itemsize)
 
 
 def format_header(result: dict[str, Any]) -> str:
