@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
-import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -16,9 +14,7 @@ from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError
 from lmcache_mp.kv._arena import check_arena, fill_arena
 from lmcache_mp.kv._capacity import Usage
-from lmcache_mp.kv._chunk import (
-    chunk_file_size,
-)
+from lmcache_mp.kv._chunk import chunk_file_size
 from lmcache_mp.kv._common import (
     StoreHandle,
     capacity_error,
@@ -27,10 +23,8 @@ from lmcache_mp.kv._common import (
     require_layout,
 )
 from lmcache_mp.kv._files import (
-    CHUNK_SUFFIX,
     DirHandle,
     kind_location,
-    list_chunks,
     open_store_dir,
     remove_stale_temps,
     remove_tree,
@@ -38,12 +32,11 @@ from lmcache_mp.kv._files import (
 from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._layout import Layout, load_layout, publish_layout
 from lmcache_mp.kv._maps import keep_arena
-from lmcache_mp.kv._pinfiles import live_pins, write_pin
+from lmcache_mp.kv._pinfiles import write_pin
 from lmcache_mp.kv._pins import current_scope
-from lmcache_mp.kv._recycle import list_free, retire, retire_replaced
 from lmcache_mp.kv._shm_pins import FilePins
-from lmcache_mp.kv._shm_reads import read_prefix
-from lmcache_mp.kv._shm_writes import write_chunks
+from lmcache_mp.kv._shm_reads import read_prefix, store_stats
+from lmcache_mp.kv._shm_writes import publish_staged, touch_chunks, write_chunks
 from lmcache_mp.kv._staged import StagedChunks
 from lmcache_mp.kv._stats import Counters, StoreStats
 
@@ -369,15 +362,8 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
         return StagedChunks(self, tuple(moves))
 
     def _publish(self, moves: Sequence[tuple[str, str]], keep: bool) -> None:
-        """Rename staged files onto their chunks (``keep``) or drop them;
-        the files replaced or dropped are kept for reuse."""
-        fd = self._dir_fd()
-        for tmp, name in moves:
-            with contextlib.suppress(FileNotFoundError):
-                if keep:
-                    retire_replaced(fd, tmp, name)
-                else:
-                    retire(fd, tmp)
+        """See :func:`publish_staged`."""
+        publish_staged(self._dir_fd(), moves, keep)
 
     def _write(
         self,
@@ -394,18 +380,9 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
         fd = self._dir_fd()
         layout = self._check_layout(fd, wanted)
         size = self._chunk_size
-        names, keys, missing, present = [], [], [], []
-        now = time.time_ns()
-        for index, key in enumerate(chunk_keys(toks, size, cache_salt)):
-            name = key.hex() + CHUNK_SUFFIX
-            names.append(name)
-            keys.append(key)
-            try:
-                os.utime(name, ns=(now, now), dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                missing.append(index)
-            else:
-                present.append(index)
+        keys, names, missing, present = touch_chunks(
+            fd, chunk_keys(toks, size, cache_salt)
+        )
         rewrite = present if overwrite else []
         if not missing and not rewrite:
             return False, []
@@ -459,18 +436,7 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
         Raises:
             KVStoreError: If the store is closed.
         """
-        fd = self._dir_fd()
-        entries = list_chunks(fd)
-        pinned = live_pins(fd)
-        used = sum(e.size for e in entries)
-        spare = sum(e.size for e in list_free(fd))
-        return self._counts.snapshot(
-            len(entries),
-            used,
-            capacity_bytes=self._usage.capacity,
-            pinned_bytes=sum(e.size for e in entries if e.name in pinned),
-            free_bytes=max(0, self._usage.capacity - used - spare),
-        )
+        return store_stats(self._dir_fd(), self._counts, self._usage.capacity)
 
     def close(self) -> None:
         """Release the directory; remove it if this handle owns it.

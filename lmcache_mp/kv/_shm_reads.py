@@ -1,4 +1,5 @@
-"""Reading a prefix's chunk files out of a shared-memory store's directory.
+"""Reading a prefix's chunk files out of a shared-memory store's directory,
+and the store's size.
 
 Each chunk is read straight into its place in one new KV
 (:func:`~lmcache_mp.kv._chunk.read_chunk`); the prefix ends at the first
@@ -17,11 +18,13 @@ import numpy.typing as npt
 from lmcache_mp.kv._buffers import contiguous, empty_kv
 from lmcache_mp.kv._chunk import CorruptChunk, chunk_views, read_chunk
 from lmcache_mp.kv._common import warn_corrupt
-from lmcache_mp.kv._files import CHUNK_SUFFIX
+from lmcache_mp.kv._files import CHUNK_SUFFIX, list_chunks
 from lmcache_mp.kv._layout import Layout
-from lmcache_mp.kv._stats import Counters
+from lmcache_mp.kv._pinfiles import live_pins
+from lmcache_mp.kv._recycle import list_free
+from lmcache_mp.kv._stats import Counters, StoreStats
 
-__all__ = ["read_prefix"]
+__all__ = ["read_prefix", "store_stats"]
 
 
 def read_prefix(
@@ -87,3 +90,28 @@ def read_prefix(
     if got < len(found):
         return contiguous(out[:, :, : got * chunk_size], layout.dtype)
     return out
+
+
+def store_stats(dir_fd: int, counts: Counters, capacity: int) -> StoreStats:
+    """The store's size, read from its directory, and a handle's counters.
+
+    Args:
+        dir_fd: The store directory.
+        counts: The handle's counters.
+        capacity: The handle's capacity in bytes.
+
+    Returns:
+        The stats: chunk files and bytes, pinned bytes, and the free bytes
+        (capacity less the chunks and the free files kept for reuse).
+    """
+    entries = list_chunks(dir_fd)
+    pinned = live_pins(dir_fd)
+    used = sum(e.size for e in entries)
+    spare = sum(e.size for e in list_free(dir_fd))
+    return counts.snapshot(
+        len(entries),
+        used,
+        capacity_bytes=capacity,
+        pinned_bytes=sum(e.size for e in entries if e.name in pinned),
+        free_bytes=max(0, capacity - used - spare),
+    )

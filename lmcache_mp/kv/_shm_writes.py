@@ -8,18 +8,59 @@ to publish; a strided KV is staged one chunk at a time
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import contextlib
+import os
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 from lmcache_mp.errors import KVStoreError
 from lmcache_mp.kv._chunk import write_chunk
 from lmcache_mp.kv._common import chunk_payloads
+from lmcache_mp.kv._files import CHUNK_SUFFIX
 from lmcache_mp.kv._layout import Layout
 from lmcache_mp.kv._pinfiles import clear_evicted
-from lmcache_mp.kv._recycle import list_free
+from lmcache_mp.kv._recycle import list_free, retire, retire_replaced
 from lmcache_mp.kv._stats import Counters
 
-__all__ = ["write_chunks"]
+__all__ = ["Touched", "publish_staged", "touch_chunks", "write_chunks"]
+
+
+class Touched(NamedTuple):
+    """The chunks of a KV given to ``store``, sorted by :func:`touch_chunks`."""
+
+    #: Each chunk's key and file name, in order.
+    keys: list[bytes]
+    names: list[str]
+    #: Indices of the chunks not cached, and of those cached.
+    missing: list[int]
+    present: list[int]
+
+
+def touch_chunks(dir_fd: int, keys: Iterable[bytes]) -> Touched:
+    """Mark each cached chunk of ``keys`` used now (its recency, for
+    eviction) and sort the chunks into missing and present.
+
+    Args:
+        dir_fd: The store directory.
+        keys: The chunks' keys, in order.
+
+    Returns:
+        The chunks, with indices counted from the first key.
+    """
+    touched = Touched([], [], [], [])
+    now = time.time_ns()
+    for index, key in enumerate(keys):
+        name = key.hex() + CHUNK_SUFFIX
+        touched.keys.append(key)
+        touched.names.append(name)
+        try:
+            os.utime(name, ns=(now, now), dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            touched.missing.append(index)
+        else:
+            touched.present.append(index)
+    return touched
 
 
 def write_chunks(
@@ -73,3 +114,20 @@ def write_chunks(
         if not publish:
             moves.append((tmp, name))
     return moves
+
+
+def publish_staged(dir_fd: int, moves: Sequence[tuple[str, str]], keep: bool) -> None:
+    """Rename staged files onto their chunks (``keep``) or drop them; the
+    files replaced or dropped are kept for reuse. A second call is a no-op.
+
+    Args:
+        dir_fd: The store directory.
+        moves: ``(temp name, chunk name)`` of each staged chunk.
+        keep: Publish (``True``) or discard.
+    """
+    for tmp, name in moves:
+        with contextlib.suppress(FileNotFoundError):
+            if keep:
+                retire_replaced(dir_fd, tmp, name)
+            else:
+                retire(dir_fd, tmp)
