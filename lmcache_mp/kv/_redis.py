@@ -40,7 +40,6 @@ from lmcache_mp.kv._redis_conn import (
 )
 from lmcache_mp.kv._redis_ops import (
     KnownLayout,
-    chunk_bytes,
     delete_matching,
     drop_if_same,
     fetch,
@@ -54,11 +53,10 @@ from lmcache_mp.kv._redis_ops import (
 from lmcache_mp.kv._redis_pinning import KeyPins
 from lmcache_mp.kv._redis_pins import (
     clear_marks,
-    live_pins,
 )
 from lmcache_mp.kv._shm import DEFAULT_CHUNK_SIZE
 from lmcache_mp.kv._staged import StagedChunks
-from lmcache_mp.kv._stats import Counters, StoreStats
+from lmcache_mp.kv._stats import Counters
 
 if TYPE_CHECKING:
     import redis
@@ -414,34 +412,6 @@ class RedisKVStore(KeyPins, StoreHandle):
         with self._link.errors():
             self._link.open_client()
         return 0
-
-    def stats(self) -> StoreStats:
-        """Return this kind's chunks and bytes, the server's capacity, the
-        keys it evicted since this handle connected, and this handle's
-        counters.
-
-        Raises:
-            KVStoreConnectionError: If the server cannot be reached.
-            KVStoreError: If the store is closed or the server fails.
-        """
-        with self._link.errors():
-            conn = self._link.open_client()
-            sizes = chunk_bytes(conn, self._key("c", "*"))
-            capacity = server_memory(conn).maxmemory
-            evictions = self._link.evictions(conn)
-            pinned = live_pins(conn, self._base())
-            pinned_sizes = chunk_bytes(conn, self._key("c", "*"), pinned)
-            used = int(conn.info("memory")["used_memory"]) if capacity else 0
-        return self._counts.snapshot(
-            len(sizes),
-            sum(sizes),
-            capacity_bytes=capacity,
-            # The server's evictions and the store's own (made before the
-            # server would evict, sparing pinned chunks).
-            evictions=evictions + self._counts.get("evictions"),
-            pinned_bytes=sum(pinned_sizes),
-            free_bytes=max(0, capacity - used) if capacity else 0,
-        )
 
     def close(self) -> None:
         """Stop using the server through this handle; the store stays.

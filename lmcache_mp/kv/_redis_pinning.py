@@ -1,6 +1,7 @@
 """The Redis store's pins as a batch and a write see them (issue #20): pin
-a stream's chunks, release them, ask whether a chunk was evicted, and make
-room for a write without touching pinned chunks."""
+a stream's chunks, release them, ask whether a chunk was evicted, make
+room for a write without touching pinned chunks, and report the pinned,
+evicted and free bytes."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from lmcache_mp.kv._common import capacity_error
 from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._pins import PinOwner, current_scope
 from lmcache_mp.kv._redis_conn import RedisLink, server_memory
+from lmcache_mp.kv._redis_ops import chunk_bytes
 from lmcache_mp.kv._redis_pins import (
     is_marked,
+    live_pins,
     make_room,
     remove_pins,
     set_pin,
 )
-from lmcache_mp.kv._stats import Counters
+from lmcache_mp.kv._stats import Counters, StoreStats
 
 if TYPE_CHECKING:
     import redis
@@ -27,7 +30,8 @@ __all__ = ["KeyPins"]
 
 
 class KeyPins(abc.ABC):
-    """Pins and eviction of a Redis store's namespace (a store's methods)."""
+    """Pins, eviction and stats of a Redis store's namespace (a store's
+    methods)."""
 
     _chunk_size: int
     _link: RedisLink
@@ -36,6 +40,10 @@ class KeyPins(abc.ABC):
     @abc.abstractmethod
     def _base(self) -> str:
         """The namespace: ``{prefix}:{kind}``."""
+
+    @abc.abstractmethod
+    def _key(self, *parts: str) -> str:
+        """A key of the namespace: ``{prefix}:{kind}:{parts...}``."""
 
     @property
     @abc.abstractmethod
@@ -118,3 +126,31 @@ class KeyPins(abc.ABC):
             return False
         with self._link.errors():
             return is_marked(self._link.open_client(), self._base(), keys[index].hex())
+
+    def stats(self) -> StoreStats:
+        """Return this kind's chunks and bytes, the server's capacity, the
+        keys it evicted since this handle connected, and this handle's
+        counters.
+
+        Raises:
+            KVStoreConnectionError: If the server cannot be reached.
+            KVStoreError: If the store is closed or the server fails.
+        """
+        with self._link.errors():
+            conn = self._link.open_client()
+            sizes = chunk_bytes(conn, self._key("c", "*"))
+            capacity = server_memory(conn).maxmemory
+            evictions = self._link.evictions(conn)
+            pinned = live_pins(conn, self._base())
+            pinned_sizes = chunk_bytes(conn, self._key("c", "*"), pinned)
+            used = int(conn.info("memory")["used_memory"]) if capacity else 0
+        return self._counts.snapshot(
+            len(sizes),
+            sum(sizes),
+            capacity_bytes=capacity,
+            # The server's evictions and the store's own (made before the
+            # server would evict, sparing pinned chunks).
+            evictions=evictions + self._counts.get("evictions"),
+            pinned_bytes=sum(pinned_sizes),
+            free_bytes=max(0, capacity - used) if capacity else 0,
+        )
