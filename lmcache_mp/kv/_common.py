@@ -21,7 +21,7 @@ from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import CorruptChunkWarning, KVCapacityError, KVConfigError
 from lmcache_mp.kv._buffers import contiguous, empty_kv, scratch
 from lmcache_mp.kv._chunk import CorruptChunk, chunk_views
-from lmcache_mp.kv._keys import Tokens, token_array
+from lmcache_mp.kv._keys import Tokens, check_start, token_array
 from lmcache_mp.kv._layout import Layout, resolve_dtype
 from lmcache_mp.kv._pins import PinScope
 
@@ -99,31 +99,39 @@ def check_positive(label: str, value: object) -> None:
 
 
 def kv_layout(
-    kv: Any, tokens: Tokens, kind: LMCacheSDKCacheKind
+    kv: Any, tokens: Tokens, kind: LMCacheSDKCacheKind, chunk_size: int, start: int
 ) -> tuple[npt.NDArray[Any], npt.NDArray[np.int64], Layout]:
     """Check a tensor given to ``store``/``stage`` and return its layout.
 
     Args:
-        kv: ``[planes, L, len(tokens), D]``: anything ``as_numpy`` accepts.
-        tokens: The token ids it belongs to.
+        kv: ``[planes, L, len(tokens) - start, D]``: anything ``as_numpy``
+            accepts.
+        tokens: The token ids of the prefix it ends.
         kind: The store's kind (fixes ``planes``).
+        chunk_size: The store's chunk size.
+        start: The first token ``kv`` holds (see :func:`check_start`).
 
     Returns:
         ``(array, token ids, layout)``.
 
     Raises:
-        KVConfigError: If the shape is not ``[planes, L, len(tokens), D]`` or
-            the dtype is not float32/float16/bfloat16.
+        KVConfigError: If ``start`` is not a chunk boundary within
+            ``tokens``, the shape is not ``[planes, L, len(tokens) - start,
+            D]`` or the dtype is not float32/float16/bfloat16.
         TypeError: If ``kv`` is not an array or ``tokens`` not ints.
         ValueError: If a token id is negative.
     """
     arr = as_numpy(kv)
     toks = token_array(tokens)
+    check_start(start, len(toks), chunk_size)
     planes = kind.planes
-    if arr.ndim != 4 or arr.shape[0] != planes or arr.shape[2] != len(toks):
+    held = len(toks) - start
+    if arr.ndim != 4 or arr.shape[0] != planes or arr.shape[2] != held:
+        which = f"tokens[{start}:]" if start else "the tokens"
         raise KVConfigError(
             f"{kind.name} has shape {arr.shape}, expected 4-D "
-            f"[{planes}, layers, tokens, width] with {len(toks)} tokens on axis 2"
+            f"[{planes}, layers, tokens, width] with {held} tokens on axis 2 "
+            f"({which})"
         )
     layout = Layout(arr.shape[1], arr.shape[3], resolve_dtype(arr.dtype), planes)
     return arr, toks, layout

@@ -9,6 +9,7 @@ different chunk size never share a key.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeAlias
@@ -16,7 +17,9 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["KEY_BYTES", "Tokens", "chunk_keys", "token_array"]
+from lmcache_mp.errors import KVConfigError
+
+__all__ = ["KEY_BYTES", "Tokens", "check_start", "chunk_keys", "token_array"]
 
 #: Token ids: a sequence of ints (Python or numpy) or an integer array.
 Tokens: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]]
@@ -63,7 +66,7 @@ def token_array(tokens: Tokens) -> npt.NDArray[np.int64]:
 
 
 def chunk_keys(
-    tokens: npt.NDArray[np.int64], chunk_size: int, cache_salt: str
+    tokens: npt.NDArray[np.int64], chunk_size: int, cache_salt: str, start: int = 0
 ) -> Iterator[bytes]:
     """Return an iterator over the key of each full chunk of ``tokens``.
 
@@ -74,13 +77,20 @@ def chunk_keys(
         tokens: Ids from :func:`token_array`.
         chunk_size: Tokens per chunk.
         cache_salt: Isolation salt.
+        start: The token the first key wanted begins at: the keys of the
+            chunks before it are hashed (each key covers its whole prefix)
+            but not returned.
 
     Returns:
-        An iterator of ``KEY_BYTES``-byte keys, one per full chunk, in order.
+        An iterator of ``KEY_BYTES``-byte keys, one per full chunk from
+        ``start`` on, in order.
 
     Raises:
         TypeError: If ``cache_salt`` is not a string.
+        KVConfigError: If ``start`` is not a multiple of ``chunk_size`` in
+            ``[0, len(tokens)]``.
     """
+    check_start(start, len(tokens), chunk_size)
     if not isinstance(cache_salt, str):
         raise TypeError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
     root = hashlib.blake2b(
@@ -88,7 +98,32 @@ def chunk_keys(
         digest_size=KEY_BYTES,
         person=_ROOT_PERSON,
     ).digest()
-    return _chain(root, memoryview(tokens.tobytes()), chunk_size * 8)
+    chain = _chain(root, memoryview(tokens.tobytes()), chunk_size * 8)
+    return itertools.islice(chain, start // chunk_size, None)
+
+
+def check_start(start: object, n_tokens: int, chunk_size: int) -> None:
+    """Check the ``start`` of a chunk-wise store or retrieve (issue #20).
+
+    Args:
+        start: The first token of the KV stored or wanted.
+        n_tokens: How many tokens the prefix holds.
+        chunk_size: The store's chunk size.
+
+    Raises:
+        KVConfigError: Naming ``start`` and the chunk size, if it is not an
+            int multiple of the chunk size in ``[0, n_tokens]``.
+    """
+    if (
+        isinstance(start, bool)
+        or not isinstance(start, int)
+        or not 0 <= start <= n_tokens
+        or start % chunk_size
+    ):
+        raise KVConfigError(
+            f"start must be a multiple of the chunk size {chunk_size} in "
+            f"[0, {n_tokens}] (the tokens given), got {start!r}"
+        )
 
 
 def _chain(key: bytes, raw: memoryview, step: int) -> Iterator[bytes]:

@@ -230,7 +230,9 @@ class RedisKVStore(KeyPins, StoreHandle):
             raw, _ = probe(conn, self._key(), encode_layout(wanted), [])
         return self._layout.agree(raw, wanted, self._link.where)
 
-    def retrieve(self, tokens: Tokens, cache_salt: str = "") -> npt.NDArray[Any] | None:
+    def retrieve(
+        self, tokens: Tokens, cache_salt: str = "", *, start: int = 0
+    ) -> npt.NDArray[Any] | None:
         """Return the KV of the longest cached chunk-aligned prefix of ``tokens``.
 
         The layout and every candidate chunk come in one round trip (MGET,
@@ -242,20 +244,25 @@ class RedisKVStore(KeyPins, StoreHandle):
             tokens: The token ids whose KV is wanted.
             cache_salt: Isolation salt; KV stored under another salt is never
                 returned.
+            start: Return the KV from this token on (a chunk boundary); as
+                :meth:`SharedMemoryKVStore.retrieve`.
 
         Returns:
             A new contiguous ``[P, L, T, D]`` array (``P`` 2 for KV, 1 for
-            queries) with ``T`` a multiple of ``chunk_size``, or ``None``
-            when the first chunk is not cached.
+            queries) of the tokens from ``start`` on, with ``T`` a multiple
+            of ``chunk_size``, or ``None`` when the chunk at ``start`` is
+            not cached.
 
         Raises:
             TypeError: If ``tokens`` are not ints or ``cache_salt`` not a str.
             ValueError: If a token id is negative.
+            KVConfigError: If ``start`` is not a chunk boundary within
+                ``tokens``.
             KVStoreConnectionError: If the server cannot be reached.
             KVStoreError: If the store is closed or the server fails.
         """
         size = self._chunk_size
-        keys = list(chunk_keys(token_array(tokens), size, cache_salt))
+        keys = list(chunk_keys(token_array(tokens), size, cache_salt, start))
         if not keys:
             return None
         with self._link.errors():
@@ -277,7 +284,13 @@ class RedisKVStore(KeyPins, StoreHandle):
         return join_payloads(found, layout, size)
 
     def store(
-        self, kv: Any, tokens: Tokens, cache_salt: str = "", *, overwrite: bool = False
+        self,
+        kv: Any,
+        tokens: Tokens,
+        cache_salt: str = "",
+        *,
+        overwrite: bool = False,
+        start: int = 0,
     ) -> bool:
         """Store every full chunk of ``kv`` that is not cached yet.
 
@@ -298,12 +311,15 @@ class RedisKVStore(KeyPins, StoreHandle):
             overwrite: Also replace the chunks already cached (each one
                 atomically; one the server refuses is removed, so that no
                 prefix mixes old and new chunks).
+            start: The first token ``kv`` holds (a chunk boundary); as
+                :meth:`SharedMemoryKVStore.store`.
 
         Returns:
             Whether any chunk was written.
 
         Raises:
-            KVConfigError: If ``kv`` has the wrong shape or dtype, or its
+            KVConfigError: If ``start`` is not a chunk boundary within
+                ``tokens``, ``kv`` has the wrong shape or dtype, or its
                 layout differs from the store's.
             TypeError: If ``kv`` is not an array, ``tokens`` not ints or
                 ``cache_salt`` not a str.
@@ -312,7 +328,9 @@ class RedisKVStore(KeyPins, StoreHandle):
             KVStoreConnectionError: If the server cannot be reached.
             KVStoreError: If the store is closed or the server fails.
         """
-        written, _ = self._write(kv, tokens, cache_salt, overwrite, staged=False)
+        written, _ = self._write(
+            kv, tokens, cache_salt, overwrite, staged=False, start=start
+        )
         return written > 0
 
     def stage(self, kv: Any, tokens: Tokens, cache_salt: str = "") -> StagedChunks:
@@ -340,13 +358,22 @@ class RedisKVStore(KeyPins, StoreHandle):
         return StagedChunks(self, tuple(moves))
 
     def _write(
-        self, kv: Any, tokens: Tokens, salt: str, overwrite: bool, *, staged: bool
+        self,
+        kv: Any,
+        tokens: Tokens,
+        salt: str,
+        overwrite: bool,
+        *,
+        staged: bool,
+        start: int = 0,
     ) -> tuple[int, list[tuple[str, str]]]:
-        """Write the chunks of ``kv``: return how many were written, and the
-        ``(staged key, chunk key)`` moves when ``staged``."""
-        arr, toks, wanted = kv_layout(kv, tokens, self._kind)
+        """Write the chunks of ``kv`` (from token ``start`` on): return how
+        many were written, and the ``(staged key, chunk key)`` moves when
+        ``staged``."""
         size = self._chunk_size
-        keys = list(chunk_keys(toks, size, salt))
+        arr, toks, wanted = kv_layout(kv, tokens, self._kind, size, start)
+        # Indices count from ``start``: they index ``arr``'s chunks.
+        keys = list(chunk_keys(toks, size, salt, start))
         names = [self._chunk_key(key) for key in keys]
         with self._link.errors():
             conn = self._link.open_client()

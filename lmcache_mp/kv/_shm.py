@@ -262,7 +262,9 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
         self._mapped = True
         return keep_arena(fd, chunk_file_size(layout, self._chunk_size))
 
-    def retrieve(self, tokens: Tokens, cache_salt: str = "") -> npt.NDArray[Any] | None:
+    def retrieve(
+        self, tokens: Tokens, cache_salt: str = "", *, start: int = 0
+    ) -> npt.NDArray[Any] | None:
         """Return the KV of the longest cached chunk-aligned prefix of ``tokens``.
 
         Each chunk is read straight into its place in the result. A chunk
@@ -273,21 +275,28 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
             tokens: The token ids whose KV is wanted.
             cache_salt: Isolation salt; KV stored under another salt is never
                 returned.
+            start: Return the KV from this token on (a chunk boundary), for
+                an engine that loads a long prefix a chunk at a time, as
+                LMCache's ``retrieve`` mask skips the tokens a caller holds
+                (issue #20). The chunks before it are not read.
 
         Returns:
             A new contiguous ``[P, L, T, D]`` array (``P`` 2 for KV, 1 for
-            queries) with ``T`` a multiple of
-            ``chunk_size``, or ``None`` when the first chunk is not cached.
+            queries) of the tokens from ``start`` on, with ``T`` a multiple
+            of ``chunk_size``, or ``None`` when the chunk at ``start`` is
+            not cached.
 
         Raises:
             TypeError: If ``tokens`` are not ints or ``cache_salt`` not a str.
             ValueError: If a token id is negative.
+            KVConfigError: If ``start`` is not a chunk boundary within
+                ``tokens``.
             KVStoreError: If the store is closed or cannot be read.
         """
         toks = token_array(tokens)
         size = self._chunk_size
-        keys = chunk_keys(toks, size, cache_salt)
-        if len(toks) < size:
+        keys = chunk_keys(toks, size, cache_salt, start)
+        if len(toks) - start < size:
             return None
         fd = self._dir_fd()
         layout = self.layout
@@ -296,11 +305,17 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
             return None
         if not self._mapped:
             self._keep_arena(fd, layout)
-        wanted = len(toks) // size
+        wanted = (len(toks) - start) // size
         return read_prefix(fd, self._path, self._counts, layout, size, keys, wanted)
 
     def store(
-        self, kv: Any, tokens: Tokens, cache_salt: str = "", *, overwrite: bool = False
+        self,
+        kv: Any,
+        tokens: Tokens,
+        cache_salt: str = "",
+        *,
+        overwrite: bool = False,
+        start: int = 0,
     ) -> bool:
         """Store every full chunk of ``kv`` that is not cached yet.
 
@@ -319,14 +334,20 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
             overwrite: Also replace the chunks already cached (each one
                 atomically): how an edit that keeps the tokens, such as
                 quantization, lands in the store.
+            start: The first token ``kv`` holds (a chunk boundary): ``kv``
+                is then ``[2, L, len(tokens) - start, D]``, so that an
+                engine offloads a prefill a chunk at a time, as LMCache's
+                ``store`` mask skips a stored prefix (issue #20). The
+                chunks before it are left as they are.
 
         Returns:
             Whether any chunk was written.
 
         Raises:
-            KVConfigError: If ``kv`` is not ``[2, L, len(tokens), D]``, its
-                dtype is not float32/float16/bfloat16, or its layout differs
-                from the store's.
+            KVConfigError: If ``start`` is not a chunk boundary within
+                ``tokens``, ``kv`` is not ``[2, L, len(tokens) - start,
+                D]``, its dtype is not float32/float16/bfloat16, or its
+                layout differs from the store's.
             TypeError: If ``kv`` is not an array, ``tokens`` not ints or
                 ``cache_salt`` not a str.
             ValueError: If a token id is negative.
@@ -334,7 +355,9 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
                 when called for one).
             KVStoreError: If the store is closed or a chunk cannot be written.
         """
-        wrote, _ = self._write(kv, tokens, cache_salt, overwrite, publish=True)
+        wrote, _ = self._write(
+            kv, tokens, cache_salt, overwrite, publish=True, start=start
+        )
         return wrote
 
     def stage(self, kv: Any, tokens: Tokens, cache_salt: str = "") -> StagedChunks:
@@ -373,15 +396,18 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
         overwrite: bool,
         *,
         publish: bool,
+        start: int = 0,
     ) -> tuple[bool, list[tuple[str, str]]]:
-        """Write the chunks of ``kv``; return whether any was written and the
-        (temp, chunk) names of those left unpublished."""
-        arr, toks, wanted = kv_layout(kv, tokens, self._kind)
+        """Write the chunks of ``kv`` (from token ``start`` on); return
+        whether any was written and the (temp, chunk) names of those left
+        unpublished."""
+        size = self._chunk_size
+        arr, toks, wanted = kv_layout(kv, tokens, self._kind, size, start)
         fd = self._dir_fd()
         layout = self._check_layout(fd, wanted)
-        size = self._chunk_size
+        # Indices count from ``start``: they index ``arr``'s chunks.
         keys, names, missing, present = touch_chunks(
-            fd, chunk_keys(toks, size, cache_salt)
+            fd, chunk_keys(toks, size, cache_salt, start)
         )
         rewrite = present if overwrite else []
         if not missing and not rewrite:
