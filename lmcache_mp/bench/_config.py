@@ -25,7 +25,7 @@ from lmcache_mp.engine import EmbeddedEngine, EngineConfig, HFEngine
 from lmcache_mp.engine._config import KV_DTYPES
 from lmcache_mp.engine._hf_load import LoadedModel, load_model, resolve
 from lmcache_mp.executors import EXECUTOR_NAMES
-from lmcache_mp.kv import KVContext
+from lmcache_mp.kv import KVContext, KVStore
 from lmcache_mp.kv._chunk import chunk_file_size
 from lmcache_mp.kv._layout import Layout, resolve_dtype
 
@@ -393,7 +393,7 @@ class BenchConfig:
         )
 
     def make_engine(
-        self, ctx: KVContext, query_ctx: KVContext | None = None
+        self, ctx: KVStore, query_ctx: KVContext | None = None
     ) -> EmbeddedEngine | HFEngine | SyntheticEngine:
         """The engine of this config's phases, over ``ctx``.
 

@@ -10,6 +10,11 @@ stand-in instead: the KV of a token is a row of a small seeded table,
 picked by the token id (a gather, at memory speed), and each reply's tokens
 are drawn from a sum of the cached KV's bits, so that executors whose edits
 wrote different KV decode different tokens (the bench's agreement check).
+
+It loads and offloads the KV a chunk at a time (the store's ``start=``),
+as a real engine moves it between GPU and store, so that a request holds
+one chunk of host memory, not its whole KV: with every stream of a batch in
+flight, the whole KV was 4 GiB per worker at Llama-3-8B's shape (#20).
 """
 
 from __future__ import annotations
@@ -20,9 +25,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lmcache_mp._util.arrays import as_numpy
 from lmcache_mp.hints import releases_gil
-from lmcache_mp.kv import KVContext
+from lmcache_mp.kv import KVStore
 from lmcache_mp.kv._layout import resolve_dtype
 from lmcache_mp.stream import TokenEvent
 
@@ -43,12 +47,13 @@ class SyntheticEngine:
 
     Each call retrieves the prompt's longest cached prefix, makes the KV of
     the rest from the table, stores the prompt's full chunks (as LMCache
-    offloads after prefill), and yields ``max_tokens`` tokens, the first
-    carrying ``cached_tokens``. Token ``i`` of a reply is ``1 + (s + 7 i)
-    mod (vocab - 1)`` with ``s`` the sum of the prompt's KV bits and ids.
+    offloads after prefill), a chunk at a time, and yields ``max_tokens``
+    tokens, the first carrying ``cached_tokens``. Token ``i`` of a reply is
+    ``1 + (s + 7 i) mod (vocab - 1)`` with ``s`` the sum of the prompt's KV
+    bits and ids.
 
     Args:
-        ctx: The KV context to retrieve from and store to.
+        ctx: The store to retrieve from and store to.
         layers: ``L`` of the KV layout.
         width: ``D``: KV heads x head size.
         dtype: The KV dtype (``"bfloat16"`` needs ml_dtypes).
@@ -59,7 +64,7 @@ class SyntheticEngine:
     """
 
     def __init__(
-        self, ctx: KVContext, layers: int, width: int, dtype: str, seed: int = 0
+        self, ctx: KVStore, layers: int, width: int, dtype: str, seed: int = 0
     ) -> None:
         self._ctx = ctx
         self._args = (layers, width, dtype, seed)
@@ -97,17 +102,23 @@ class SyntheticEngine:
     def _generate(
         self, prompt: list[int], max_tokens: int, salt: str
     ) -> Iterator[TokenEvent]:
-        cached = self._ctx.retrieve(prompt, salt)
-        reused = 0 if cached is None else int(cached.shape[2])
-        ids = np.asarray(prompt[reused:], dtype=np.int64) % _TABLE_ROWS
-        fresh = np.take(self._table, ids, axis=2)
-        total = _bit_sum(fresh) + sum(prompt)
-        if cached is not None:
-            total += _bit_sum(as_numpy(cached))
-        full = len(prompt) - len(prompt) % self._ctx.chunk_size
-        if full > reused:
-            kv = fresh if cached is None else np.concatenate([cached, fresh], axis=2)
-            self._ctx.store(kv, prompt, salt)
+        size = self._ctx.chunk_size
+        toks = np.asarray(prompt, dtype=np.int64)
+        total = sum(prompt)
+        reused = 0
+        while reused + size <= len(toks):
+            part = self._ctx.retrieve(toks[: reused + size], salt, start=reused)
+            if part is None:
+                break
+            total += _bit_sum(part)
+            reused += size
+        for begin in range(reused, len(toks), size):
+            end = min(begin + size, len(toks))
+            ids = toks[begin:end] % _TABLE_ROWS
+            fresh = np.take(self._table, ids, axis=2)
+            total += _bit_sum(fresh)
+            if end - begin == size:
+                self._ctx.store(fresh, toks[:end], salt, start=begin)
         for i in range(max_tokens):
             token = 1 + (total + 7 * i) % (SYNTHETIC_VOCAB - 1)
             yield TokenEvent(token, f"<{token}>", reused if i == 0 else None)
