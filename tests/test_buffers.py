@@ -4,8 +4,9 @@ fill, and never shared by two live arrays."""
 from __future__ import annotations
 
 import numpy as np
+import psutil
 
-from lmcache_mp.kv._buffers import _Pool, contiguous, empty_kv
+from lmcache_mp.kv._buffers import _Pool, contiguous, empty_kv, reserve
 
 SHAPE = (2, 4, 1024, 512)  # 16 MiB of float32: pooled
 F32 = np.dtype(np.float32)
@@ -44,3 +45,48 @@ def test_contiguous_copies_only_what_is_not_already_contiguous() -> None:
     strided = arr[:, :, ::2]
     copy = contiguous(strided, F32)
     assert copy.flags.c_contiguous and np.array_equal(copy, strided)
+
+
+MIB16 = 16 << 20
+
+
+def _rss() -> int:
+    return int(psutil.Process().memory_info().rss)
+
+
+def test_reserve_touches_mappings_the_next_arrays_reuse() -> None:
+    """reserve(n, 2) faults in two mappings of n bytes now (the process's
+    RSS grows by them), and the next two live arrays of n bytes use them."""
+    pool = _Pool()
+    before = _rss()
+    assert pool.reserve(MIB16, 2) == 2
+    assert _rss() - before >= 2 * MIB16 * 0.9
+    made = {_address(np.frombuffer(r, np.uint8)) for r in pool._regions}
+    first, second = pool.array(MIB16), pool.array(MIB16)
+    assert {_address(first), _address(second)} == made
+
+
+def test_reserve_counts_the_idle_mappings_that_fit() -> None:
+    """An idle mapping of a fitting size counts toward the reservation and
+    stays in the pool; a second reservation makes nothing."""
+    pool = _Pool()
+    kept = _address(pool.array(MIB16))  # dropped at once: idle
+    assert pool.reserve(MIB16, 2) == 1
+    assert kept in {_address(np.frombuffer(r, np.uint8)) for r in pool._regions}
+    assert pool.reserve(MIB16, 2) == 0
+
+
+def test_reserve_makes_at_most_the_pools_size() -> None:
+    """A reservation past the pool's size makes only what it keeps, and a
+    mapping in use does not count."""
+    pool = _Pool()
+    held = pool.array(MIB16)
+    assert pool.reserve(MIB16, 5) == 2
+    assert _address(held) not in {
+        _address(np.frombuffer(r, np.uint8)) for r in pool._regions
+    }
+
+
+def test_reserve_ignores_arrays_too_small_to_pool() -> None:
+    """Below the pooled size, reserve does nothing."""
+    assert reserve(1 << 20) == 0

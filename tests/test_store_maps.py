@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from lmcache_mp.bench._monitor import _shmem_kib
-from lmcache_mp.kv import SharedMemoryKVStore, _maps
+from lmcache_mp.errors import KVConfigError
+from lmcache_mp.kv import SharedMemoryKVStore, _buffers, _maps
 from lmcache_mp.kv._chunk import HEADER_SIZE, decode_chunk
 from lmcache_mp.kv._files import CHUNK_SUFFIX, TEMP_PREFIX, punch
 from lmcache_mp.kv._layout import LAYOUT_FILE, load_layout
@@ -241,3 +242,54 @@ def test_map_arena_maps_nothing_without_an_arena(stores: StoreFactory) -> None:
     ctx = stores.connect(chunk_size=C, **LAYOUT)
     ctx.store(kv_for(TOKENS), TOKENS)
     assert ctx.map_arena() == 0
+
+
+BIG = {"layers": 2, "width": 1 << 16, "dtype": "float32"}  # 4 MiB chunks: pooled
+
+
+def _address(arr: np.ndarray) -> int:
+    return int(arr.__array_interface__["data"][0])
+
+
+def _retrieve_after_map(
+    ctx: SharedMemoryKVStore, tokens: list[int], reserve_tokens: int
+) -> tuple[int, bool]:
+    """In this process: map the arena reserving buffers, then retrieve.
+
+    Returns:
+        How many pooled buffers the map made, and whether the retrieved
+        KV lies in one of them.
+    """
+    ctx.map_arena(reserve_tokens=reserve_tokens)
+    made = {_address(np.frombuffer(r, np.uint8)) for r in _buffers._POOL._regions}
+    kv = ctx.retrieve(tokens)
+    return len(made), kv is not None and _address(kv) in made
+
+
+@pytest.mark.parametrize(
+    ("reserve_tokens", "expected"), [(2 * C, (2, True)), (0, (0, False))]
+)
+def test_map_arena_reserves_the_buffers_of_a_workers_first_retrieve(
+    stores: StoreFactory,
+    worker: multiprocessing.pool.Pool,
+    reserve_tokens: int,
+    expected: tuple[int, bool],
+) -> None:
+    """``map_arena(reserve_tokens=N)`` touches two pooled buffers for a
+    retrieve of N tokens in the calling process, and that process's first
+    such retrieve lands in one; without it, the retrieve maps new memory."""
+    ctx = stores.connect(chunk_size=C, arena_bytes=2 * (HEADER_SIZE + (4 << 20)), **BIG)
+    kv = np.ones((2, BIG["layers"], 2 * C, BIG["width"]), np.float32)
+    ctx.store(kv, TOKENS)
+    args = (ctx, TOKENS, reserve_tokens)
+    assert worker.apply_async(_retrieve_after_map, args).get(JOIN_TIMEOUT_S) == expected
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "4"])
+def test_reserve_tokens_must_be_a_non_negative_int(
+    stores: StoreFactory, bad: object
+) -> None:
+    """A bad ``reserve_tokens`` is refused with a typed error naming it."""
+    ctx = stores.connect(chunk_size=C, **LAYOUT)
+    with pytest.raises(KVConfigError, match=f"reserve_tokens must be .*{bad!r}"):
+        ctx.map_arena(reserve_tokens=bad)  # type: ignore[arg-type]

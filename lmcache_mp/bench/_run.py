@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -197,9 +198,10 @@ def run_once(
                     *_PRELOAD,
                     *(_PRELOAD_BF16 if config.dtype == "bfloat16" else ()),
                     *(() if load is None else (load,)),
-                    # Each worker maps the store's arena as the pool starts,
-                    # not in its first phase (issue #20).
-                    *_arena_mapping(store),
+                    # Each worker maps the store's arena and touches its
+                    # retrieve buffers as the pool starts, not in its first
+                    # phase (issue #20).
+                    *_arena_mapping(store, config.prompt_tokens),
                 ),
             ) as batch,
         ):
@@ -225,9 +227,12 @@ def run_once(
         store.destroy()
 
 
-def _arena_mapping(store: object) -> tuple[Callable[[], int], ...]:
-    """What a worker calls at start to map ``store``'s arena, if it has one."""
-    return (store.map_arena,) if isinstance(store, SharedMemoryKVStore) else ()
+def _arena_mapping(store: object, tokens: int) -> tuple[Callable[[], int], ...]:
+    """What a worker calls at start to map ``store``'s arena, if it has one,
+    and touch its buffers for retrieving a prompt of ``tokens``."""
+    if not isinstance(store, SharedMemoryKVStore):
+        return ()
+    return (functools.partial(store.map_arena, reserve_tokens=tokens),)
 
 
 def _run_phases(

@@ -64,6 +64,7 @@ __all__ = [
     "check_chunk",
     "chunk_digest",
     "chunk_file_size",
+    "chunk_payload_size",
     "chunk_views",
     "decode_chunk",
     "encode_chunk",
@@ -92,10 +93,11 @@ class CorruptChunk(Exception):
 
 def chunk_file_size(layout: Layout, chunk_size: int) -> int:
     """Bytes of a chunk file of ``layout``: header plus payload."""
-    return HEADER_SIZE + _payload_size(layout, chunk_size)
+    return HEADER_SIZE + chunk_payload_size(layout, chunk_size)
 
 
-def _payload_size(layout: Layout, chunk_size: int) -> int:
+def chunk_payload_size(layout: Layout, chunk_size: int) -> int:
+    """Bytes of a chunk's KV (``[planes, L, chunk_size, D]``) of ``layout``."""
     return (
         layout.planes
         * layout.layers
@@ -132,7 +134,7 @@ def _fields(layout: Layout, chunk_size: int) -> bytes:
         layout.layers,
         chunk_size,
         layout.width,
-        _payload_size(layout, chunk_size),
+        chunk_payload_size(layout, chunk_size),
     )
 
 

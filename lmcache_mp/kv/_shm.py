@@ -34,6 +34,7 @@ from lmcache_mp.kv._layout import Layout, load_layout, publish_layout
 from lmcache_mp.kv._maps import keep_arena
 from lmcache_mp.kv._pinfiles import write_pin
 from lmcache_mp.kv._pins import current_scope
+from lmcache_mp.kv._reserve import check_tokens, reserve_kv
 from lmcache_mp.kv._shm_pins import FilePins
 from lmcache_mp.kv._shm_reads import read_prefix, store_stats
 from lmcache_mp.kv._shm_writes import publish_staged, touch_chunks, write_chunks
@@ -235,7 +236,7 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
             self._keep_arena(fd, layout)
         return checked
 
-    def map_arena(self) -> int:
+    def map_arena(self, *, reserve_tokens: int = 0) -> int:
         """Map the store's arena in this process now, as its first read or
         write here would.
 
@@ -244,17 +245,25 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
         from its first call (~0.14 s per GiB here). In a batch's
         ``preload``, each worker maps them as the pool starts instead.
 
+        Args:
+            reserve_tokens: Also touch this process's buffers for two
+                retrieves of this many tokens now, so that they fill pages
+                already touched (:mod:`._reserve`). 0: none.
+
         Returns:
             How many of the store's files this process keeps mapped (0 for
             a store without an arena, or before its layout is fixed).
 
         Raises:
             KVStoreError: If the store is closed.
+            KVConfigError: If ``reserve_tokens`` is not an int >= 0.
         """
+        check_tokens(reserve_tokens)
         fd = self._dir_fd()
         layout = self.layout
         if layout is None:
             return 0
+        reserve_kv(layout, self._chunk_size, reserve_tokens)
         return self._keep_arena(fd, layout)
 
     def _keep_arena(self, fd: int, layout: Layout) -> int:
