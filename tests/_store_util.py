@@ -79,6 +79,16 @@ def kv_of(
     return values.astype(dtype)
 
 
+def address(arr: np.ndarray) -> int:
+    """Where an array's data starts: which buffer it lies in."""
+    return int(arr.__array_interface__["data"][0])
+
+
+def pooled(pool: Any) -> set[int]:
+    """The addresses of the mappings a ``_buffers._Pool`` keeps."""
+    return {address(np.frombuffer(region, np.uint8)) for region in pool._regions}
+
+
 def bits(arr: np.ndarray) -> np.ndarray:
     """The raw bytes of an array, so NaNs and -0.0 compare exactly."""
     return np.ascontiguousarray(arr).view(np.uint8)

@@ -7,13 +7,10 @@ import numpy as np
 import psutil
 
 from lmcache_mp.kv._buffers import _Pool, contiguous, empty_kv, reserve
+from tests._store_util import address, pooled
 
 SHAPE = (2, 4, 1024, 512)  # 16 MiB of float32: pooled
 F32 = np.dtype(np.float32)
-
-
-def _address(arr: np.ndarray) -> int:
-    return int(arr.__array_interface__["data"][0])
 
 
 def test_live_arrays_never_share_memory() -> None:
@@ -22,7 +19,7 @@ def test_live_arrays_never_share_memory() -> None:
     for index, arr in enumerate(arrays):
         arr.fill(index)
     assert [float(a[0, 0, 0, 0]) for a in arrays] == [0.0, 1.0, 2.0, 3.0]
-    assert len({_address(a) for a in arrays}) == 4
+    assert len({address(a) for a in arrays}) == 4
 
 
 def test_the_memory_of_a_dropped_array_is_reused() -> None:
@@ -30,11 +27,11 @@ def test_the_memory_of_a_dropped_array_is_reused() -> None:
     pool = _Pool()
     first = pool.array(16 << 20)
     view = first[10:]
-    address = _address(first)
+    where = address(first)
     del first
-    assert _address(pool.array(16 << 20)) != address  # the view still uses it
+    assert address(pool.array(16 << 20)) != where  # the view still uses it
     del view
-    assert _address(pool.array(16 << 20)) == address
+    assert address(pool.array(16 << 20)) == where
 
 
 def test_contiguous_copies_only_what_is_not_already_contiguous() -> None:
@@ -61,18 +58,18 @@ def test_reserve_touches_mappings_the_next_arrays_reuse() -> None:
     before = _rss()
     assert pool.reserve(MIB16, 2) == 2
     assert _rss() - before >= 2 * MIB16 * 0.9
-    made = {_address(np.frombuffer(r, np.uint8)) for r in pool._regions}
+    made = pooled(pool)
     first, second = pool.array(MIB16), pool.array(MIB16)
-    assert {_address(first), _address(second)} == made
+    assert {address(first), address(second)} == made
 
 
 def test_reserve_counts_the_idle_mappings_that_fit() -> None:
     """An idle mapping of a fitting size counts toward the reservation and
     stays in the pool; a second reservation makes nothing."""
     pool = _Pool()
-    kept = _address(pool.array(MIB16))  # dropped at once: idle
+    kept = address(pool.array(MIB16))  # dropped at once: idle
     assert pool.reserve(MIB16, 2) == 1
-    assert kept in {_address(np.frombuffer(r, np.uint8)) for r in pool._regions}
+    assert kept in pooled(pool)
     assert pool.reserve(MIB16, 2) == 0
 
 
@@ -82,9 +79,7 @@ def test_reserve_makes_at_most_the_pools_size() -> None:
     pool = _Pool()
     held = pool.array(MIB16)
     assert pool.reserve(MIB16, 5) == 2
-    assert _address(held) not in {
-        _address(np.frombuffer(r, np.uint8)) for r in pool._regions
-    }
+    assert address(held) not in pooled(pool)
 
 
 def test_reserve_ignores_arrays_too_small_to_pool() -> None:

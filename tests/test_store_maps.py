@@ -21,7 +21,7 @@ from lmcache_mp.kv._files import CHUNK_SUFFIX, TEMP_PREFIX, punch
 from lmcache_mp.kv._layout import LAYOUT_FILE, load_layout
 from lmcache_mp.kv._recycle import FREE_PREFIX, remove_free
 from tests._fakes import LAYERS, WIDTH, kv_for
-from tests._store_util import StoreFactory, spawned_pool
+from tests._store_util import StoreFactory, address, pooled, spawned_pool
 
 C = 4
 CHUNK = HEADER_SIZE + 2 * LAYERS * C * WIDTH * 4
@@ -247,10 +247,6 @@ def test_map_arena_maps_nothing_without_an_arena(stores: StoreFactory) -> None:
 BIG = {"layers": 2, "width": 1 << 16, "dtype": "float32"}  # 4 MiB chunks: pooled
 
 
-def _address(arr: np.ndarray) -> int:
-    return int(arr.__array_interface__["data"][0])
-
-
 def _retrieve_after_map(
     ctx: SharedMemoryKVStore, tokens: list[int], reserve_tokens: int
 ) -> tuple[int, bool]:
@@ -261,9 +257,9 @@ def _retrieve_after_map(
         KV lies in one of them.
     """
     ctx.map_arena(reserve_tokens=reserve_tokens)
-    made = {_address(np.frombuffer(r, np.uint8)) for r in _buffers._POOL._regions}
+    made = pooled(_buffers._POOL)
     kv = ctx.retrieve(tokens)
-    return len(made), kv is not None and _address(kv) in made
+    return len(made), kv is not None and address(kv) in made
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,10 @@
 """Retrieve buffers touched ahead of a worker's first retrieves (issue #20).
 
 A store's arena is mapped in each process once (:mod:`._maps`); what a
-retrieve copies into is new process memory, pooled for reuse by
-:mod:`._buffers`. Its first use in a process faults the pages in: on this
-VM 0.4 GB/s even in huge pages (the host backs each page on its first
-touch) against ~12 GB/s for pages already touched, so a worker's first
-512 MiB retrieve took ~1 s of its modify. A batch's ``preload`` touches
-them as the pool starts instead (``map_arena(reserve_tokens=...)``).
+retrieve copies into is process memory pooled by :mod:`._buffers`, whose
+first use in a process faults its pages in (slow on this VM: see there).
+A batch's ``preload`` touches them as the pool starts instead
+(``map_arena(reserve_tokens=...)``).
 """
 
 from __future__ import annotations
