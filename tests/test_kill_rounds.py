@@ -413,9 +413,9 @@ class KillAfterEdit:
         self._maybe_die(tokens)
         return staged
 
-    def sweep(self) -> int:
+    def sweep(self, owner: Any = None) -> int:
         """The wrapped store's."""
-        return self.inner.sweep()
+        return int(self.inner.sweep(owner))
 
     def _maybe_die(self, tokens: Sequence[int]) -> None:
         if self.armed and tokens[0] == 0 and os.getpid() != self.parent:

@@ -35,6 +35,8 @@ from lmcache_mp.kv import (
 )
 from lmcache_mp.kv._chunk import HEADER_SIZE
 from lmcache_mp.kv._layout import Layout
+from lmcache_mp.kv._pins import PinOwner, pinning
+from lmcache_mp.kv._staged import StagedChunks
 from tests._scripts import run_python
 from tests._store_util import (
     RawChunks,
@@ -42,6 +44,7 @@ from tests._store_util import (
     bits,
     chunk_paths,
     kv_of,
+    spawned_pool,
     staged_names,
     temp_names,
     unique_url,
@@ -699,3 +702,76 @@ def test_sweep_removes_temp_files_of_dead_writers(shm_ctx: SharedMemoryKVStore) 
     assert ctx.sweep() == 3
     assert temp_names(ctx) == []
     np.testing.assert_array_equal(bits(ctx.retrieve(TOKENS)), bits(kv_of(TOKENS)))
+
+
+def _stage_for(ctx: SharedMemoryKVStore, owner: PinOwner) -> StagedChunks:
+    """Stage an edit of TOKENS for ``owner``'s batch, in a worker process."""
+    with pinning(owner, "s"):
+        return ctx.stage(kv_of(TOKENS, seed=1), TOKENS)
+
+
+def test_a_staged_edit_outlives_its_writer(shm_ctx: SharedMemoryKVStore) -> None:
+    """An edit staged for this process's batch by a worker that has exited
+    survives the store being opened (and swept) by another process, and
+    commits."""
+    ctx = shm_ctx
+    ctx.store(kv_of(TOKENS), TOKENS)
+    with spawned_pool(1) as pool:
+        staged = pool.apply(_stage_for, (ctx, PinOwner.new()))
+    result = run_python(
+        "from lmcache_mp.kv import connect\n"
+        f"print(connect({ctx.url!r}, chunk_size={C}).sweep())"
+    )
+    assert result.returncode == 0 and result.stdout.split() == ["0"], result.stderr
+    staged.commit()
+    np.testing.assert_array_equal(
+        bits(ctx.retrieve(TOKENS)), bits(kv_of(TOKENS, seed=1))
+    )
+
+
+def test_a_sweep_for_a_batch_drops_only_its_staging(
+    shm_ctx: SharedMemoryKVStore,
+) -> None:
+    """sweep(owner) removes the staged chunks of that batch, not another's."""
+    ctx = shm_ctx
+    ctx.store(kv_of(TOKENS), TOKENS)
+    mine, other = PinOwner.new(), PinOwner.new()
+    _stage_for(ctx, mine)
+    kept = _stage_for(ctx, other)
+    assert ctx.sweep(mine) == 3
+    assert sorted(staged_names(ctx)) == sorted(tmp for tmp, _ in kept.moves)
+    kept.commit()
+    np.testing.assert_array_equal(
+        bits(ctx.retrieve(TOKENS)), bits(kv_of(TOKENS, seed=1))
+    )
+
+
+@pytest.mark.parametrize("lease", ["dead pid", "reused pid"])
+def test_staging_of_a_gone_publisher_is_swept(
+    shm_ctx: SharedMemoryKVStore, lease: str
+) -> None:
+    """A staged chunk whose publisher is gone (its pid, or a pid now another
+    process's) is removed by sweep(), whatever its age."""
+    ctx = shm_ctx
+    ctx.store(kv_of(TOKENS), TOKENS)
+    gone = PinOwner("b" * 32, 999_999_999, 1)
+    if lease == "reused pid":
+        gone = PinOwner("b" * 32, os.getpid(), 1)
+    _stage_for(ctx, gone)
+    assert ctx.sweep() == 3
+    assert staged_names(ctx) == []
+
+
+def test_a_commit_whose_staging_is_gone_keeps_the_old_kv(
+    shm_ctx: SharedMemoryKVStore,
+) -> None:
+    """One staged chunk removed behind its back: commit() raises KVStoreError,
+    publishes none of the others, and drops them."""
+    ctx = shm_ctx
+    ctx.store(kv_of(TOKENS), TOKENS)
+    staged = ctx.stage(kv_of(TOKENS, seed=1), TOKENS)
+    os.unlink(os.path.join(ctx.path, staged.moves[1][0]))
+    with pytest.raises(KVStoreError, match="1 of 3 staged chunks are gone"):
+        staged.commit()
+    np.testing.assert_array_equal(bits(ctx.retrieve(TOKENS)), bits(kv_of(TOKENS)))
+    assert staged_names(ctx) == []

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from lmcache_mp._core.commit import commit, raise_failures
+from lmcache_mp._core.commit import commit, drop_staged, raise_failures
 from lmcache_mp._core.memory import modify_bound
 from lmcache_mp._core.phase import build_phase, check_stores
 from lmcache_mp._core.pinning import pin_stream
@@ -67,22 +67,30 @@ class BatchCore:
         spec, jobs = build_phase([self.streams[sid] for sid in ids], **spec_args)
         check_stores(spec, jobs)
         max_in_flight = self._modify_bound(ids) if spec.kind == "modify" else None
+        streams = [self.streams[sid] for sid in ids]
         with self._lock:
             start = time.perf_counter()
-            run = self._executor.run(
-                spec,
-                jobs,
-                timeout=self._phase_timeout if phase_timeout is None else phase_timeout,
-                max_in_flight=max_in_flight,
-            )
+            try:
+                run = self._executor.run(
+                    spec,
+                    jobs,
+                    timeout=self._phase_timeout
+                    if phase_timeout is None
+                    else phase_timeout,
+                    max_in_flight=max_in_flight,
+                )
+            except BaseException:
+                # Interrupted (Ctrl-C): nothing commits, so no edit staged
+                # for this phase may stay behind in the stores.
+                drop_staged(streams, self._pins)
+                raise
             duration = time.perf_counter() - start
-        self._last_run = run
-        failures = commit(
-            [self.streams[sid] for sid in ids],
-            run,
-            self.perf_metrics,
-            self.modify_metrics,
-        )
+            # Under the lock: another phase of this batch stages under the
+            # same lease, and the commit sweeps the lease's leftovers.
+            self._last_run = run
+            failures = commit(
+                streams, run, self.perf_metrics, self.modify_metrics, self._pins
+            )
         for sid in ids:
             # Exactly the committed tokens' KV: what a phase wrote for a
             # stream that failed, or for tokens it no longer has, is let go.

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
 
 from lmcache_mp._core.streambase import StreamBase
 from lmcache_mp.errors import (
@@ -15,10 +14,11 @@ from lmcache_mp.errors import (
     TerminatedWorkerError,
 )
 from lmcache_mp.executors import PhaseRun
+from lmcache_mp.kv._pins import PinOwner
 from lmcache_mp.metrics import Metrics
 from lmcache_mp.stream import StreamModifyMetrics, StreamPerfMetrics
 
-__all__ = ["commit", "raise_failures"]
+__all__ = ["commit", "drop_staged", "raise_failures"]
 
 #: Failures whose worker was killed: it may have left temp files behind.
 _DEAD_WORKER = (TerminatedWorkerError, PhaseTimeoutError)
@@ -29,19 +29,25 @@ def commit(
     run: PhaseRun,
     perf_metrics: dict[str, StreamPerfMetrics],
     modify_metrics: dict[str, StreamModifyMetrics],
+    owner: PinOwner,
 ) -> dict[str, BaseException]:
     """Commit each stream whose job succeeded; return the others' errors.
 
     A stream commits its staged edit (a same-token edit), then its state and
     figures; a failed stream's staged edit is discarded, so it keeps its
-    previous state and KV. When a worker was killed, the stores are swept of
-    what it left half-written.
+    previous state and KV. Staged chunks are leased to the batch's process,
+    not to the worker that wrote them, so that an edit whose outcome came
+    back is still there to commit after its worker died or the pool was
+    torn down. When a worker was killed, the stores are swept of what it
+    left half-written and of the batch's staging that no outcome claimed
+    (the stream was run again, or failed with its worker).
 
     Args:
         streams: The phase's streams.
         run: What the executor produced.
         perf_metrics: Where generate figures go, by stream id.
         modify_metrics: Where modify figures go, by stream id.
+        owner: The batch, whose staged chunks these are.
 
     Returns:
         Stream id to the exception of each stream that failed.
@@ -71,18 +77,28 @@ def commit(
             perf_metrics[sid] = outcome.perf
         if outcome.modify is not None:
             modify_metrics[sid] = outcome.modify
-    if any(isinstance(e, _DEAD_WORKER) for e in failures.values()):
-        _sweep([c for s in streams for c in s.contexts.values()])
+    if run.pool_rebuilds or any(isinstance(e, _DEAD_WORKER) for e in failures.values()):
+        drop_staged(streams, owner)
     return failures
 
 
-def _sweep(contexts: list[Any]) -> None:
-    """Remove what killed workers left half-written in the stores."""
+def drop_staged(streams: Sequence[StreamBase], owner: PinOwner) -> None:
+    """Remove from the streams' stores what killed workers left
+    half-written, and every staged chunk of ``owner`` not committed.
+
+    For a phase that is over: after its commit, or when it was interrupted
+    (Ctrl-C) and commits nothing.
+    """
+    contexts = [c for s in streams for c in s.contexts.values()]
     for ctx in {id(c): c for c in contexts}.values():
         sweep = getattr(ctx, "sweep", None)
-        if sweep is not None:
-            with contextlib.suppress(Exception):
+        if sweep is None:
+            continue
+        with contextlib.suppress(Exception):
+            if getattr(ctx, "stage", None) is None:
                 sweep()
+            else:
+                sweep(owner)
 
 
 def raise_failures(

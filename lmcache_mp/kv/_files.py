@@ -21,6 +21,7 @@ import psutil
 
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError, KVStoreSecurityError
+from lmcache_mp.kv._pins import same_process
 
 __all__ = [
     "CHUNK_SUFFIX",
@@ -35,6 +36,7 @@ __all__ = [
     "remove_stale_temps",
     "remove_tree",
     "scan_dir",
+    "staged_name",
     "temp_name",
 ]
 
@@ -65,6 +67,18 @@ def temp_name() -> str:
     The pid lets an opener tell a dead writer's leftovers from a live one's.
     """
     return f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def staged_name(owner: str) -> str:
+    """A name for a staged chunk file: ``.tmp-<owner>-<random>``.
+
+    A staged file outlives its writer (a pool worker may exit before the
+    parent publishes it), so it is leased to the process that will publish
+    it: ``owner`` is that batch's :meth:`~lmcache_mp.kv._pins.PinOwner.tag`,
+    ``<pid>-<started>-<batch>``, and the file is stale only once that
+    process is gone.
+    """
+    return f"{TEMP_PREFIX}{owner}-{secrets.token_hex(6)}"
 
 
 def open_temp(dir_fd: int) -> tuple[str, int]:
@@ -163,15 +177,19 @@ def punch(dir_fd: int, name: str) -> None:
             os.close(fd)
 
 
-def remove_stale_temps(dir_fd: int) -> int:
-    """Remove temp files left by writers that died mid-write.
+def remove_stale_temps(dir_fd: int, owner: str | None = None) -> int:
+    """Remove temp files left by writers that died mid-write, and staged
+    files whose publisher is gone.
 
     A temp file is stale when its writer's pid is gone, or when it is older
     than ten minutes (its pid may have been reused or live in another pid
-    namespace).
+    namespace). A staged file (:func:`staged_name`) is stale when the
+    process it is leased to is gone, whatever its age, or when it is leased
+    to ``owner``, whose phase is over.
 
     Args:
         dir_fd: The store directory.
+        owner: The tag of a batch whose unpublished staged files go too.
 
     Returns:
         How many files were removed.
@@ -182,17 +200,32 @@ def remove_stale_temps(dir_fd: int) -> int:
         for entry in entries:
             if not entry.name.startswith(TEMP_PREFIX):
                 continue
-            pid_text = entry.name[len(TEMP_PREFIX) :].split("-", 1)[0]
             try:
-                dead = not pid_text.isdigit() or not psutil.pid_exists(int(pid_text))
-                old = now - entry.stat(follow_symlinks=False).st_mtime > _STALE_TEMP_S
-                if dead or old:
-                    punch(dir_fd, entry.name)  # it may be an arena file
-                    os.unlink(entry.name, dir_fd=dir_fd)
-                    removed += 1
+                if not _stale(entry, owner, now):
+                    continue
+                punch(dir_fd, entry.name)  # it may be an arena file
+                os.unlink(entry.name, dir_fd=dir_fd)
+                removed += 1
             except FileNotFoundError:
                 continue
     return removed
+
+
+def _stale(entry: os.DirEntry[str], owner: str | None, now: float) -> bool:
+    """Whether the temp file ``entry`` is abandoned (see
+    :func:`remove_stale_temps`)."""
+    rest = entry.name[len(TEMP_PREFIX) :]
+    fields = rest.split("-")
+    if len(fields) == 4:  # staged: <pid>-<started>-<batch>-<random>
+        pid, started = fields[0], fields[1]
+        if owner is not None and rest.startswith(owner + "-"):
+            return True
+        return not (
+            pid.isdigit() and started.isdigit() and same_process(int(pid), int(started))
+        )
+    if not fields[0].isdigit() or not psutil.pid_exists(int(fields[0])):
+        return True
+    return now - entry.stat(follow_symlinks=False).st_mtime > _STALE_TEMP_S
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ from lmcache_mp.kv._common import (
 )
 from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._layout import Layout, encode_layout
+from lmcache_mp.kv._pins import PinOwner
 from lmcache_mp.kv._redis_conn import (
     RedisLink,
     RedisTarget,
@@ -426,9 +427,13 @@ class RedisKVStore(KeyPins, StoreHandle):
                 "are unchanged"
             )
 
-    def sweep(self) -> int:
+    def sweep(self, owner: PinOwner | None = None) -> int:
         """Nothing to remove: a chunk write is one SET (never half done), and
-        a dead writer's staged chunks expire by themselves.
+        staged chunks that no one commits expire by themselves.
+
+        Args:
+            owner: Accepted for the shared-memory store's signature; a
+                batch's uncommitted staging expires like any other.
 
         Returns:
             0.

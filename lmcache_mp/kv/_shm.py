@@ -33,7 +33,7 @@ from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._layout import Layout, load_layout, publish_layout
 from lmcache_mp.kv._maps import keep_arena
 from lmcache_mp.kv._pinfiles import write_pin
-from lmcache_mp.kv._pins import current_scope
+from lmcache_mp.kv._pins import PinOwner, PinScope, current_scope
 from lmcache_mp.kv._reserve import check_tokens, reserve_kv
 from lmcache_mp.kv._shm_pins import FilePins
 from lmcache_mp.kv._shm_reads import read_prefix, store_stats
@@ -375,8 +375,11 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
 
         How a batch makes a same-token edit transactional: the worker stages
         it, and the parent commits it with the stream's new state, or
-        discards it when the stream failed. A staged file whose writer died
-        is removed the next time the store is opened.
+        discards it when the stream failed. The staged files are leased to
+        the batch's process (to the calling process outside a batch), not
+        to the writer: a worker may be gone before the parent commits. They
+        are removed once that process is gone, the next time the store is
+        opened or swept.
 
         Args:
             kv: As :meth:`store`.
@@ -395,7 +398,7 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
 
     def _publish(self, moves: Sequence[tuple[str, str]], keep: bool) -> None:
         """See :func:`publish_staged`."""
-        publish_staged(self._dir_fd(), moves, keep)
+        publish_staged(self._dir_fd(), self._path, moves, keep)
 
     def _write(
         self,
@@ -408,7 +411,7 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
         start: int = 0,
     ) -> tuple[bool, list[tuple[str, str]]]:
         """Write the chunks of ``kv`` (from token ``start`` on); return
-        whether any was written and the (temp, chunk) names of those left
+        whether any was written and the (staged, chunk) names of those left
         unpublished."""
         size = self._chunk_size
         arr, toks, wanted = kv_layout(kv, tokens, self._kind, size, start)
@@ -447,15 +450,19 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
                 layout,
                 size,
                 [(i, names[i], keys[i]) for i in missing + rewrite],
-                publish,
+                None if publish else _publisher(scope),
             )
         finally:
             self._usage.written(len(missing) * file_size)
         return True, moves
 
-    def sweep(self) -> int:
-        """Remove the temp files of writers that died (unfinished or staged
-        writes); opening a store does this too.
+    def sweep(self, owner: PinOwner | None = None) -> int:
+        """Remove the temp files of writers that died mid-write and the
+        staged chunks whose publisher is gone; opening a store does this too.
+
+        Args:
+            owner: A batch whose phase is over: its staged chunks that were
+                not committed (their stream failed or was run again) go too.
 
         Returns:
             How many files were removed.
@@ -463,7 +470,8 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
         Raises:
             KVStoreError: If the store is closed.
         """
-        return remove_stale_temps(self._dir_fd())
+        tag = None if owner is None else owner.tag()
+        return remove_stale_temps(self._dir_fd(), tag)
 
     def stats(self) -> StoreStats:
         """Return the store's size and this handle's counters.
@@ -494,3 +502,10 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
         """
         self.close()
         remove_tree(self._path)
+
+
+def _publisher(scope: PinScope | None) -> str:
+    """The tag of the process that will publish a staged write: the batch
+    the stream runs for, or (outside a batch) the calling process."""
+    owner = scope.owner if scope is not None else None
+    return (owner or PinOwner.new()).tag()

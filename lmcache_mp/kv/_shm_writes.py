@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 from lmcache_mp.errors import KVStoreError
 from lmcache_mp.kv._chunk import write_chunk
 from lmcache_mp.kv._common import chunk_payloads
-from lmcache_mp.kv._files import CHUNK_SUFFIX
+from lmcache_mp.kv._files import CHUNK_SUFFIX, staged_name
 from lmcache_mp.kv._layout import Layout
 from lmcache_mp.kv._pinfiles import clear_evicted
 from lmcache_mp.kv._recycle import list_free, retire, retire_replaced
@@ -71,7 +71,7 @@ def write_chunks(
     layout: Layout,
     chunk_size: int,
     chunks: Sequence[tuple[int, str, bytes]],
-    publish: bool,
+    stage_for: str | None = None,
 ) -> list[tuple[str, str]]:
     """Write some chunks of a KV into a store directory.
 
@@ -83,15 +83,41 @@ def write_chunks(
         layout: The store's layout.
         chunk_size: The store's chunk size.
         chunks: ``(index along the tokens, file name, key)`` of each chunk.
-        publish: Rename each onto its name now; otherwise leave it staged.
+        stage_for: ``None`` to rename each chunk onto its name now; else
+            the tag of the batch that will publish them, to which each
+            chunk is left staged (:func:`~lmcache_mp.kv._files.staged_name`).
 
     Returns:
-        The ``(temp, chunk)`` names of the chunks left unpublished.
+        The ``(staged, chunk)`` names of the chunks left unpublished.
 
     Raises:
         KVStoreError: If a chunk cannot be written.
     """
-    moves = []
+    moves: list[tuple[str, str]] = []
+    try:
+        _write_all(
+            dir_fd, path, counts, arr, layout, chunk_size, chunks, stage_for, moves
+        )
+    except BaseException:
+        # What was staged before the failure has no publisher any more.
+        publish_staged(dir_fd, path, moves, keep=False)
+        raise
+    return moves
+
+
+def _write_all(
+    dir_fd: int,
+    path: str,
+    counts: Counters,
+    arr: Any,
+    layout: Layout,
+    chunk_size: int,
+    chunks: Sequence[tuple[int, str, bytes]],
+    stage_for: str | None,
+    moves: list[tuple[str, str]],
+) -> None:
+    """The loop of :func:`write_chunks`; appends each staged chunk to
+    ``moves`` as it is made."""
     free = [entry.name for entry in list_free(dir_fd)]
     names = {index: (name, key) for index, name, key in chunks}
     for index, views in chunk_payloads(arr, layout, chunk_size, list(names)):
@@ -104,30 +130,60 @@ def write_chunks(
                 views,
                 layout,
                 chunk_size,
-                publish=publish,
+                publish=stage_for is None,
                 free=free,
             )
+            if stage_for is not None:
+                # Leased to the publisher: the writer (a pool worker) may be
+                # gone before the parent publishes the stream's edit.
+                staged = staged_name(stage_for)
+                os.rename(tmp, staged, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                moves.append((staged, name))
         except OSError as exc:
             raise KVStoreError(f"{path}/{name}: cannot write chunk: {exc}") from exc
         counts.add(writes=1)
         clear_evicted(dir_fd, name)
-        if not publish:
-            moves.append((tmp, name))
-    return moves
 
 
-def publish_staged(dir_fd: int, moves: Sequence[tuple[str, str]], keep: bool) -> None:
+def publish_staged(
+    dir_fd: int, path: str, moves: Sequence[tuple[str, str]], keep: bool
+) -> None:
     """Rename staged files onto their chunks (``keep``) or drop them; the
-    files replaced or dropped are kept for reuse. A second call is a no-op.
+    files replaced or dropped are kept for reuse.
+
+    Every staged file is checked before any is renamed, so that a stream
+    whose staging was lost keeps its old chunks, never a mix of old and new.
 
     Args:
         dir_fd: The store directory.
-        moves: ``(temp name, chunk name)`` of each staged chunk.
+        path: Its path (named in errors).
+        moves: ``(staged name, chunk name)`` of each staged chunk.
         keep: Publish (``True``) or discard.
+
+    Raises:
+        KVStoreError: If ``keep`` and a staged file is gone (the store was
+            swept by hand, or its publisher's lease looked expired); the
+            rest are discarded and the cached chunks stay as they were.
     """
+    if keep:
+        lost = [tmp for tmp, _ in moves if not _exists(dir_fd, tmp)]
+        if lost:
+            publish_staged(dir_fd, path, moves, keep=False)
+            raise KVStoreError(
+                f"{path}: {len(lost)} of {len(moves)} staged chunks are gone "
+                "before the commit; the cached chunks are unchanged"
+            )
     for tmp, name in moves:
         with contextlib.suppress(FileNotFoundError):
             if keep:
                 retire_replaced(dir_fd, tmp, name)
             else:
                 retire(dir_fd, tmp)
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
+
+from lmcache_mp.errors import KVStoreError
 
 __all__ = ["StagedChunks"]
 
@@ -16,12 +18,13 @@ class _Stager(Protocol):
         """Move staged chunks onto their chunks (``keep``) or drop them."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class StagedChunks:
     """Chunks written aside by a store's ``stage`` (shared-memory or Redis).
 
     Pickles by the store's location, so a worker can stage and the parent
-    commit. :meth:`commit` and :meth:`discard` are each safe to call twice.
+    commit. :meth:`commit` and :meth:`discard` are each safe to call twice;
+    a discard after a commit does nothing, a commit after a discard raises.
 
     Args:
         store: The store the chunks belong to.
@@ -32,6 +35,8 @@ class StagedChunks:
 
     store: _Stager
     moves: tuple[tuple[str, str], ...]
+    #: ``"committed"`` or ``"discarded"`` once settled by this handle.
+    _settled: str = field(default="", init=False, compare=False, repr=False)
 
     def commit(self) -> None:
         """Replace the cached chunks with the staged ones.
@@ -41,11 +46,16 @@ class StagedChunks:
         stream or the new one, never a mix.
 
         Raises:
-            KVStoreError: If the store is closed or gone, or (Redis) a staged
-                chunk expired or was evicted before the commit; the cached
-                chunks are then left as they were.
+            KVStoreError: If the store is closed or gone, or a staged chunk
+                is gone before the commit (Redis: expired or evicted); the
+                cached chunks are then left as they were; or if this handle
+                has discarded them.
         """
-        self.store._publish(self.moves, keep=True)
+        if self._settled == "discarded":
+            raise KVStoreError("these staged chunks were discarded")
+        if not self._settled:
+            self._settled = "committed"
+            self.store._publish(self.moves, keep=True)
 
     def discard(self) -> None:
         """Remove the staged chunks; the cached chunks stay as they were.
@@ -53,4 +63,6 @@ class StagedChunks:
         Raises:
             KVStoreError: If the store is closed or gone.
         """
-        self.store._publish(self.moves, keep=False)
+        if not self._settled:
+            self._settled = "discarded"
+            self.store._publish(self.moves, keep=False)
