@@ -145,7 +145,7 @@ def test_without_threadpoolctl_the_thread_executor_warns_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """No threadpoolctl: threads cannot cap BLAS; a RuntimeWarning names the extra, once."""
-    import lmcache_mp.executors._thread as executors
+    import lmcache_mp._util.blas as executors
 
     monkeypatch.setitem(sys.modules, "threadpoolctl", None)
     monkeypatch.setattr(executors, "_warned_uncapped", False)

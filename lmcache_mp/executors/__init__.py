@@ -10,16 +10,16 @@ the claims of :mod:`lmcache_mp.executors._claims` and the plain
 dataclasses of :mod:`lmcache_mp._core.phase`).
 """
 
+from lmcache_mp._util.blas import limit_blas_while, physical_cores
 from lmcache_mp.executors._base import (
     EXECUTOR_NAMES,
     PhaseExecutor,
     PhaseRun,
     Preload,
-    physical_cores,
     timeout_outcome,
 )
 from lmcache_mp.executors._serial import SerialExecutor
-from lmcache_mp.executors._thread import ThreadExecutor, limit_blas_while
+from lmcache_mp.executors._thread import ThreadExecutor
 
 __all__ = [
     "EXECUTOR_NAMES",

@@ -35,18 +35,14 @@ from collections.abc import Sequence
 import cloudpickle
 
 from lmcache_mp._core.phase import PhaseSpec, StreamJob, StreamOutcome
+from lmcache_mp._util.blas import limit_blas_while, physical_cores
 from lmcache_mp._util.gilwatch import GilProbe
 from lmcache_mp.errors import LMCachePicklingError
-from lmcache_mp.executors._base import (
-    PhaseExecutor,
-    PhaseRun,
-    Preload,
-    physical_cores,
-)
+from lmcache_mp.executors._base import PhaseExecutor, PhaseRun, Preload
 from lmcache_mp.executors._cost import Choice, weigh
 from lmcache_mp.executors._dispatch import Hold
 from lmcache_mp.executors._process import ProcessExecutor
-from lmcache_mp.executors._thread import ThreadExecutor, limit_blas_while
+from lmcache_mp.executors._thread import ThreadExecutor
 from lmcache_mp.executors._worker import run_job
 from lmcache_mp.hints import gil_hint
 

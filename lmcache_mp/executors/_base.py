@@ -8,7 +8,6 @@ commits the successful ones.
 from __future__ import annotations
 
 import abc
-import os
 import time
 from collections.abc import Callable, Collection
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
@@ -24,7 +23,6 @@ __all__ = [
     "PhaseExecutor",
     "PhaseRun",
     "Preload",
-    "physical_cores",
     "timeout_outcome",
     "wait_interruptibly",
 ]
@@ -42,13 +40,6 @@ _POLL_S = 0.25
 
 #: The executor names ``LMCacheBatchedStream(executor=...)`` accepts.
 EXECUTOR_NAMES = ("auto", "process", "serial", "thread")
-
-
-def physical_cores() -> int:
-    """Return the number of physical cores (logical ones if unknown)."""
-    import psutil
-
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
 @dataclass

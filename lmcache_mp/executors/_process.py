@@ -37,9 +37,10 @@ from concurrent.futures.process import BrokenProcessPool, ProcessPoolExecutor
 from multiprocessing.process import BaseProcess
 
 from lmcache_mp._core.phase import StreamJob, StreamOutcome
+from lmcache_mp._util.blas import physical_cores
 from lmcache_mp._util.paths import remove_tree
 from lmcache_mp.errors import TerminatedWorkerError
-from lmcache_mp.executors._base import PhaseRun, Preload, physical_cores
+from lmcache_mp.executors._base import PhaseRun, Preload
 from lmcache_mp.executors._claims import Claims
 from lmcache_mp.executors._dispatch import JOIN_TIMEOUT, ShardExecutor
 from lmcache_mp.executors._worker import BLAS_ENV_VARS, initialize

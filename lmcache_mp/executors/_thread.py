@@ -2,54 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from lmcache_mp._core.phase import PhaseSpec, StreamJob, StreamOutcome
+from lmcache_mp._util.blas import limit_blas_while
 from lmcache_mp.executors._base import (
     PhaseExecutor,
     PhaseRun,
-    physical_cores,
     timeout_outcome,
     wait_interruptibly,
 )
 from lmcache_mp.executors._worker import run_job
 
-__all__ = ["ThreadExecutor", "limit_blas_while"]
-
-_warned_uncapped = False
-
-
-@contextlib.contextmanager
-def limit_blas_while(concurrent: int) -> Iterator[None]:
-    """Cap BLAS threads so that ``concurrent`` callers do not oversubscribe.
-
-    One thread per stream with BLAS's default of one thread per core runs
-    cores² threads; measured here, upstream's thread batch ran an O(T²) numpy
-    edit at 0.8x the speed of a serial loop on 2 cores (issue #4), and the
-    default benchmark's prefill 3.3x slower than with the cap. Needs
-    threadpoolctl (the ``blas`` extra); without it, nothing is capped and a
-    ``RuntimeWarning`` says so once.
-    """
-    global _warned_uncapped
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        if concurrent > 1 and not _warned_uncapped:
-            _warned_uncapped = True
-            warnings.warn(
-                "lmcache_mp: threadpoolctl is not installed, so the thread "
-                "executor cannot cap BLAS threads and oversubscribes the cores; "
-                "pip install 'lmcache-mp[blas]'",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        yield
-        return
-    with threadpool_limits(limits=max(1, physical_cores() // max(1, concurrent))):
-        yield
+__all__ = ["ThreadExecutor"]
 
 
 def _discard_late(future: Future[StreamOutcome]) -> None:

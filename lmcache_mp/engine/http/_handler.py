@@ -25,6 +25,7 @@ from lmcache_mp.engine.http._completions import (
 from lmcache_mp.engine.http._logprobs import echo_logprobs, prompt_logprobs
 from lmcache_mp.engine.http._served import ServedEngine, ServedVocab, score_prompt
 from lmcache_mp.engine.http._server import (
+    Admission,
     APIError,
     JSONRequestHandler,
     TrackingHTTPServer,
@@ -44,6 +45,7 @@ class App(Protocol):
     model_name: str
     max_body_bytes: int
     max_logprobs: int
+    admission: Admission
 
     def models(self) -> dict[str, Any]:
         """Return the ``GET /v1/models`` document."""
@@ -69,6 +71,8 @@ class _Handler(JSONRequestHandler):
     def _dispatch(self, method: str) -> None:
         path = self.path.split("?", 1)[0]
         self.responded = False
+        if method == "GET":
+            self.request_read()
         try:
             allowed = _ROUTES.get(path)
             if allowed is None:
@@ -88,7 +92,8 @@ class _Handler(JSONRequestHandler):
                 self.send_json(200, self.app.models())
             else:
                 self._completions()
-        except ConnectionError:
+        except (ConnectionError, TimeoutError):
+            # The client hung up, or was too slow to send or to read.
             self.close_connection = True
         except Exception as exc:
             if self.responded:
@@ -132,10 +137,24 @@ class _Handler(JSONRequestHandler):
 
     def _completions(self) -> None:
         app = self.app
-        doc = self.read_json(app.max_body_bytes)
-        request = parse_request(
-            doc, app.model_name, app.vocab.tokenize, app.max_logprobs
-        )
+        try:
+            ticket = app.admission.enter()
+        except APIError:
+            self.close_connection = True  # its body is left unread
+            raise
+        try:
+            doc = self.read_json(app.max_body_bytes)
+            request = parse_request(
+                doc, app.model_name, app.vocab.tokenize, app.max_logprobs
+            )
+            with ticket.run():
+                self._complete(request)
+        finally:
+            ticket.release()
+
+    def _complete(self, request: CompletionRequest) -> None:
+        """Answer a parsed completion request (in a generation slot)."""
+        app = self.app
         if request.echo or request.prompt_logprobs is not None:
             self._scored(request)
             return
@@ -285,8 +304,20 @@ class _Generation:
 class HTTPServer(TrackingHTTPServer):
     """The HTTP server, pointing at the app it serves."""
 
-    def __init__(self, address: tuple[str, int], app: App) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        app: App,
+        *,
+        max_connections: int,
+        read_timeout: float,
+    ) -> None:
         self.app = app
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
-        super().__init__(address, _Handler)
+        super().__init__(
+            address,
+            _Handler,
+            max_connections=max_connections,
+            read_timeout=read_timeout,
+        )

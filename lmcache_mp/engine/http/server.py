@@ -26,6 +26,14 @@ shared-memory KV store, so that a batch opened on the same store sees the
 KV the server prefilled, and the server reuses the KV the batch edited (its
 ``usage.prompt_tokens_details.cached_tokens`` shows it).
 
+The server bounds its work, as vLLM does with ``--max-num-seqs`` and its
+waiting queue: ``max_num_seqs`` generations run at once (one per physical
+core by default, BLAS capped to share the cores between them), up to
+``max_queued`` more wait for a slot, and the rest are refused at once with
+503 and ``Retry-After``; so are connections past ``max_connections``. A
+client has ``read_timeout`` seconds to send each request, however slowly
+it drips in.
+
 Run ``lmcache-mp serve --port 0`` (or ``python -m lmcache_mp.engine.http.server``);
 its first line is ``lmcache-mp serve: listening on http://HOST:PORT``.
 """
@@ -44,21 +52,27 @@ from collections.abc import Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
+from lmcache_mp._util.blas import limit_blas_while, physical_cores
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.engine._config import KV_DTYPES, EngineConfig
 from lmcache_mp.engine._embedded import EmbeddedEngine
 from lmcache_mp.engine._hf import HFEngine
 from lmcache_mp.engine.http._handler import HTTPServer
 from lmcache_mp.engine.http._served import ServedEngine, served_vocab
-from lmcache_mp.engine.http._server import logger
+from lmcache_mp.engine.http._server import Admission, logger
 from lmcache_mp.errors import LMCacheError
 from lmcache_mp.kv import DEFAULT_CHUNK_SIZE, KVStore, SharedMemoryKVStore, connect
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_MAX_LOGPROBS",
+    "DEFAULT_MAX_QUEUED",
     "DEFAULT_MODEL_NAME",
+    "DEFAULT_QUEUE_TIMEOUT",
+    "DEFAULT_READ_TIMEOUT",
     "EngineServer",
+    "ServerLimits",
     "cli",
     "serve",
 ]
@@ -71,6 +85,69 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 #: Most tokens listed per position of a prompt's log-probabilities (vLLM's
 #: ``--max-logprobs`` default).
 DEFAULT_MAX_LOGPROBS = 20
+#: Requests that may wait for a generation slot before the rest get 503.
+DEFAULT_MAX_QUEUED = 256
+#: Seconds a queued request waits for a slot before it gets 503.
+DEFAULT_QUEUE_TIMEOUT = 60.0
+#: Seconds a client has to send a whole request (headers and body).
+DEFAULT_READ_TIMEOUT = 30.0
+#: Open connections served at once; past them, 503 with no thread.
+DEFAULT_MAX_CONNECTIONS = 1024
+
+
+def _count(name: str, value: Any, minimum: int) -> int:
+    """``value`` checked to be an int of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _seconds(name: str, value: Any) -> float:
+    """``value`` checked to be a positive number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """How much work a server takes on at once.
+
+    Args:
+        max_num_seqs: Generations computed at once (vLLM's
+            ``--max-num-seqs``); ``None``: one per physical core.
+        max_queued: Requests that may wait for a slot; past them, 503
+            with ``Retry-After``.
+        queue_timeout: Seconds a queued request waits for a slot (then 503).
+        read_timeout: Seconds a client has to send each request, headers
+            and body, and the longest a read or write may block.
+        max_connections: Open connections served at once; past them, 503.
+
+    Raises:
+        ValueError: For a bound below 1 (``max_queued``: below 0) or a
+            timeout that is not a positive number.
+    """
+
+    max_num_seqs: int | None = None
+    max_queued: int = DEFAULT_MAX_QUEUED
+    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT
+    read_timeout: float = DEFAULT_READ_TIMEOUT
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs is not None:
+            _count("max_num_seqs", self.max_num_seqs, 1)
+        _count("max_queued", self.max_queued, 0)
+        _count("max_connections", self.max_connections, 1)
+        _seconds("queue_timeout", self.queue_timeout)
+        _seconds("read_timeout", self.read_timeout)
+
+    @property
+    def running(self) -> int:
+        """Generations computed at once (``max_num_seqs`` resolved)."""
+        return physical_cores() if self.max_num_seqs is None else self.max_num_seqs
 
 
 class EngineServer:
@@ -92,9 +169,12 @@ class EngineServer:
             the server owns it.
         max_logprobs: Most tokens listed per position of a prompt's
             log-probabilities.
+        limits: How much work it takes on at once; ``ServerLimits()`` by
+            default.
 
     Raises:
         OSError: If the address cannot be bound.
+        ValueError: For a bad model name, body limit or ``max_logprobs``.
     """
 
     def __init__(
@@ -108,28 +188,35 @@ class EngineServer:
         store: KVStore | None = None,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         query_store: KVStore | None = None,
+        limits: ServerLimits | None = None,
     ) -> None:
         if not isinstance(model_name, str) or not model_name:
             raise ValueError(f"model_name must be a non-empty str, got {model_name!r}")
-        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int):
-            raise ValueError(f"max_body_bytes must be an int, got {max_body_bytes!r}")
-        if max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
-        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int):
-            raise ValueError(f"max_logprobs must be an int, got {max_logprobs!r}")
-        if max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {max_logprobs}")
+        self.max_body_bytes = _count("max_body_bytes", max_body_bytes, 1)
+        self.max_logprobs = _count("max_logprobs", max_logprobs, 0)
+        self.limits = limits if limits is not None else ServerLimits()
+        #: The bound on generations: running at once, and waiting.
+        self.admission = Admission(
+            self.limits.running, self.limits.max_queued, self.limits.queue_timeout
+        )
         self.engine: ServedEngine = engine
         self.vocab = served_vocab(engine)
-        self.max_logprobs = max_logprobs
         self.model_name = model_name
-        self.max_body_bytes = max_body_bytes
         self._store = store
         self._query_store = query_store
         # Read now: tests swap the engine for a stub that has none.
         self._records_queries = engine.query_ctx is not None
         self._created = int(time.time())
-        self._httpd = HTTPServer((host, port), self)
+        self._httpd = HTTPServer(
+            (host, port),
+            self,
+            max_connections=self.limits.max_connections,
+            read_timeout=self.limits.read_timeout,
+        )
+        # Every generation slot's BLAS calls share the cores; OpenBLAS also
+        # aborts the process when more callers than it was built for run
+        # at once, which the slots bound.
+        self._blas = contextlib.ExitStack()
         self._thread = threading.Thread(
             target=self._httpd.serve_forever,
             kwargs={"poll_interval": 0.1},
@@ -160,6 +247,7 @@ class EngineServer:
 
     def start(self) -> EngineServer:
         """Start serving on a background thread; return ``self``."""
+        self._blas.enter_context(limit_blas_while(self.admission.running))
         self._thread.start()
         return self
 
@@ -224,6 +312,7 @@ class EngineServer:
                 self._query_store.close()
             if self._store is not None:
                 self._store.close()
+            self._blas.close()
             self._stopped.set()
 
     def __enter__(self) -> EngineServer:
@@ -250,6 +339,7 @@ def serve(
     model: str | None = None,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     record_queries: bool = False,
+    limits: ServerLimits | None = None,
 ) -> EngineServer:
     """Serve an embedded engine over HTTP on a background thread.
 
@@ -279,6 +369,8 @@ def serve(
         record_queries: Record each prefill's queries in the store's QUERY
             namespace, for the edits that score the KV with them (SnapKV,
             TOVA, H2O, R-KV; ``EmbeddedEngine``'s ``query_ctx``).
+        limits: How much work the server takes on at once
+            (:class:`ServerLimits`).
 
     Returns:
         The running server.
@@ -316,6 +408,7 @@ def serve(
             store=ctx,
             max_logprobs=max_logprobs,
             query_store=query_ctx,
+            limits=limits,
         )
     except BaseException:
         if query_ctx is not None:
@@ -373,6 +466,37 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_LOGPROBS,
         help="most tokens listed per position of a prompt's log-probabilities",
+    )
+    limits = parser.add_argument_group("bounds (ServerLimits)")
+    limits.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="generations computed at once; none: one per physical core",
+    )
+    limits.add_argument(
+        "--max-queued",
+        type=int,
+        default=DEFAULT_MAX_QUEUED,
+        help="requests that may wait for a slot; past them, 503 + Retry-After",
+    )
+    limits.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=DEFAULT_QUEUE_TIMEOUT,
+        help="seconds a queued request waits for a slot",
+    )
+    limits.add_argument(
+        "--read-timeout",
+        type=float,
+        default=DEFAULT_READ_TIMEOUT,
+        help="seconds a client has to send each request",
+    )
+    limits.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="open connections served at once; past them, 503",
     )
     model = parser.add_argument_group("toy model (EngineConfig; not with --model)")
     for name in ("layers", "kv_heads", "head_dim", "d_model", "vocab_size", "seed"):
@@ -439,6 +563,7 @@ def cli(argv: list[str]) -> int:
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    bounds = {f.name for f in dataclasses.fields(ServerLimits)}
     stop = threading.Event()
     # Handlers first: a signal that comes while starting still shuts down
     # cleanly instead of raising KeyboardInterrupt mid-start.
@@ -457,6 +582,9 @@ def cli(argv: list[str]) -> int:
                 model=args.model,
                 max_logprobs=args.max_logprobs,
                 record_queries=args.record_queries,
+                limits=ServerLimits(
+                    **{k: v for k, v in vars(args).items() if k in bounds}
+                ),
             )
         except OSError as exc:
             print(f"lmcache-mp serve: cannot start: {exc}", file=sys.stderr)
