@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import lmcache_mp._core.formatters as formatters_mod
+import lmcache_mp.metrics._formatters as formatters_mod
 from lmcache_mp.metrics import (
     FileHandler,
     JSONFormatter,

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from tabulate import tabulate
 
-from lmcache_mp._core.section import Section, jsonable, report_dict
+from lmcache_mp.metrics._section import Section, jsonable, report_dict
 
 __all__ = [
     "JSONFormatter",

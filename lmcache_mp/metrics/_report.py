@@ -1,11 +1,4 @@
-"""The metrics report every batch phase returns, as in ``lmcache.cli.metrics``.
-
-A :class:`Metrics` holds a title and ordered :class:`Section` s of
-``(key, label, value)`` entries. Formatters turn it into text (``terminal``,
-``json``, ``markdown``); handlers send that text somewhere (a stream, a file)
-when :meth:`Metrics.emit` is called. :func:`summarize` reduces a list of
-per-stream figures to a mean and percentiles for the batch reports.
-"""
+"""The :class:`Metrics` report, its handlers and :func:`summarize`."""
 
 from __future__ import annotations
 
@@ -17,7 +10,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from lmcache_mp._core.formatters import (
+from lmcache_mp._util.paths import atomic_write_text
+from lmcache_mp.metrics._formatters import (
     JSONFormatter,
     MarkdownFormatter,
     MetricsFormatter,
@@ -26,8 +20,7 @@ from lmcache_mp._core.formatters import (
     get_formatter,
     register_formatter,
 )
-from lmcache_mp._core.section import Section, report_dict
-from lmcache_mp._util.paths import atomic_write_text
+from lmcache_mp.metrics._section import Section, report_dict
 
 __all__ = [
     "FileHandler",
