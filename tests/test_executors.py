@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_info
 
-import lmcache_mp._core.memory
 import lmcache_mp.batch as lmc_batch
+import lmcache_mp.batch._memory
 import lmcache_mp.stream as lmc_stream
 from lmcache_mp.errors import LMCacheBatchedStreamError, PhaseTimeoutError
 from lmcache_mp.executors import physical_cores
@@ -87,13 +87,13 @@ def test_modify_concurrency_follows_available_memory(
     batch = _filled("thread", store, n=4)
     per_stream = 3 * 2 * 2 * 4 * 4 * len(next(iter(batch.streams.values())).tokens)
     monkeypatch.setattr(
-        lmcache_mp._core.memory.psutil,
+        lmcache_mp.batch._memory.psutil,
         "virtual_memory",
         lambda: SimpleNamespace(available=2 * per_stream * 2),
     )
     assert batch._modify_bound(list(batch.streams)) == 2
     monkeypatch.setattr(
-        lmcache_mp._core.memory.psutil,
+        lmcache_mp.batch._memory.psutil,
         "virtual_memory",
         lambda: SimpleNamespace(available=1),
     )

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import numpy.typing as npt
 
-from lmcache_mp.kv._pins import PinOwner
+from lmcache_mp.kv import PinOwner
 
 __all__ = [
     "ModifyFn",

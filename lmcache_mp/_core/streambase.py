@@ -45,8 +45,7 @@ from lmcache_mp.errors import (
     LMCacheStreamError,
     StreamInputError,
 )
-from lmcache_mp.kv import KVContext
-from lmcache_mp.kv._pins import pinning
+from lmcache_mp.kv import KVContext, pinning
 
 __all__ = ["StreamBase"]
 

@@ -31,10 +31,8 @@ from lmcache_mp.bench._peers import (
 )
 from lmcache_mp.bench._unhinted import Unhinted
 from lmcache_mp.edits import Edit
-from lmcache_mp.executors._auto import AutoExecutor
-from lmcache_mp.executors._process import ProcessExecutor
-from lmcache_mp.kv import SharedMemoryKVStore, connect
-from lmcache_mp.kv._layout import resolve_dtype
+from lmcache_mp.executors import AutoExecutor, ProcessExecutor
+from lmcache_mp.kv import SharedMemoryKVStore, connect, resolve_dtype
 from lmcache_mp.metrics import Metrics
 from lmcache_mp.stream import LMCacheStream, create_request
 

@@ -25,9 +25,7 @@ from lmcache_mp.engine import EmbeddedEngine, EngineConfig, HFEngine
 from lmcache_mp.engine._config import KV_DTYPES
 from lmcache_mp.engine._hf_load import LoadedModel, load_model, resolve
 from lmcache_mp.executors import EXECUTOR_NAMES
-from lmcache_mp.kv import KVContext, KVStore
-from lmcache_mp.kv._chunk import chunk_file_size
-from lmcache_mp.kv._layout import Layout, resolve_dtype
+from lmcache_mp.kv import KVContext, KVStore, Layout, chunk_file_size, resolve_dtype
 
 __all__ = [
     "AUTO_UNHINTED",

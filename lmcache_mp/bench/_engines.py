@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from lmcache_mp._util.extras import import_extra
 from lmcache_mp.executors import physical_cores
-from lmcache_mp.executors._remote import import_extra
 
 __all__ = ["REMOTE_EXECUTORS", "executor_for", "fresh_store_url"]
 

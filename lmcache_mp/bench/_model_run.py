@@ -16,7 +16,7 @@ import psutil
 
 from lmcache_mp.batch import LMCacheBatchedStream
 from lmcache_mp.engine import HFEngine
-from lmcache_mp.executors._process import ProcessExecutor
+from lmcache_mp.executors import ProcessExecutor
 from lmcache_mp.kv import connect
 from lmcache_mp.request import create_request
 

@@ -20,11 +20,13 @@ from lmcache_mp.bench._unhinted import Unhinted
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.edits import KIND_EDITS, Edit
 from lmcache_mp.errors import LMCacheBatchedStreamError
-from lmcache_mp.executors import limit_blas_while, physical_cores
-from lmcache_mp.executors._auto import AutoExecutor
-from lmcache_mp.executors._process import ProcessExecutor
-from lmcache_mp.kv import SharedMemoryKVStore, connect
-from lmcache_mp.kv._capacity import default_capacity
+from lmcache_mp.executors import (
+    AutoExecutor,
+    ProcessExecutor,
+    limit_blas_while,
+    physical_cores,
+)
+from lmcache_mp.kv import SharedMemoryKVStore, connect, default_capacity
 from lmcache_mp.metrics import Metrics
 from lmcache_mp.stream import create_request
 

@@ -26,8 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lmcache_mp.hints import releases_gil
-from lmcache_mp.kv import KVStore
-from lmcache_mp.kv._layout import resolve_dtype
+from lmcache_mp.kv import KVStore, resolve_dtype
 from lmcache_mp.stream import TokenEvent
 
 __all__ = ["SYNTHETIC_VOCAB", "SyntheticEngine"]

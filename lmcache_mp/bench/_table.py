@@ -10,7 +10,7 @@ from tabulate import tabulate
 
 from lmcache_mp.bench._config import SYNTHETIC, TOY
 from lmcache_mp.bench._figures import BASIS_SERIAL
-from lmcache_mp.kv._layout import resolve_dtype
+from lmcache_mp.kv import resolve_dtype
 
 __all__ = ["format_header", "format_point"]
 

@@ -11,6 +11,7 @@ dataclasses of :mod:`lmcache_mp._core.phase`).
 """
 
 from lmcache_mp._util.blas import limit_blas_while, physical_cores
+from lmcache_mp.executors._auto import AutoExecutor
 from lmcache_mp.executors._base import (
     EXECUTOR_NAMES,
     PhaseExecutor,
@@ -18,17 +19,26 @@ from lmcache_mp.executors._base import (
     Preload,
     timeout_outcome,
 )
+from lmcache_mp.executors._dask import DaskExecutor
+from lmcache_mp.executors._factory import make_executor
+from lmcache_mp.executors._process import ProcessExecutor
+from lmcache_mp.executors._ray import RayExecutor
 from lmcache_mp.executors._serial import SerialExecutor
 from lmcache_mp.executors._thread import ThreadExecutor
 
 __all__ = [
     "EXECUTOR_NAMES",
+    "AutoExecutor",
+    "DaskExecutor",
     "PhaseExecutor",
     "PhaseRun",
     "Preload",
+    "ProcessExecutor",
+    "RayExecutor",
     "SerialExecutor",
     "ThreadExecutor",
     "limit_blas_while",
+    "make_executor",
     "physical_cores",
     "timeout_outcome",
 ]

@@ -16,8 +16,9 @@ import threading
 from concurrent.futures import Executor, Future
 from typing import Any
 
+from lmcache_mp._util.extras import import_extra
 from lmcache_mp.executors._base import PhaseRun
-from lmcache_mp.executors._remote import RemoteExecutor, import_extra
+from lmcache_mp.executors._remote import RemoteExecutor
 from lmcache_mp.executors._worker import run_shard
 
 __all__ = ["RayExecutor"]

@@ -36,23 +36,7 @@ from lmcache_mp.executors._base import PhaseRun
 from lmcache_mp.executors._claims import Claims, FileClaims, RedisClaims
 from lmcache_mp.executors._dispatch import ShardExecutor
 
-__all__ = ["RemoteExecutor", "import_extra"]
-
-
-def import_extra(module: str, extra: str) -> Any:
-    """Import an optional engine, naming the extra that installs it.
-
-    Raises:
-        ImportError: If the module is not installed.
-    """
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise ImportError(
-            f"executor {extra!r} needs {module!r}: pip install 'lmcache-mp[{extra}]'"
-        ) from exc
+__all__ = ["RemoteExecutor"]
 
 
 class RemoteExecutor(ShardExecutor):

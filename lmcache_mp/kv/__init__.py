@@ -2,8 +2,12 @@
 store (``redis`` itself is imported only when one is first used), and a
 real LMCache server's context (``lmcache`` likewise)."""
 
+from lmcache_mp.kv._capacity import default_capacity
+from lmcache_mp.kv._chunk import chunk_file_size
 from lmcache_mp.kv._connect import KVStore, connect
+from lmcache_mp.kv._layout import Layout, resolve_dtype
 from lmcache_mp.kv._lmcache import lmcache_context
+from lmcache_mp.kv._pins import DEFAULT_LEASE_S, PinOwner, pinning
 from lmcache_mp.kv._protocol import KVContext
 from lmcache_mp.kv._redis import RedisKVStore
 from lmcache_mp.kv._shm import (
@@ -15,12 +19,19 @@ from lmcache_mp.kv._stats import StoreStats
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_LEASE_S",
     "KVContext",
     "KVStore",
+    "Layout",
+    "PinOwner",
     "RedisKVStore",
     "SharedMemoryKVStore",
     "StagedChunks",
     "StoreStats",
+    "chunk_file_size",
     "connect",
+    "default_capacity",
     "lmcache_context",
+    "pinning",
+    "resolve_dtype",
 ]

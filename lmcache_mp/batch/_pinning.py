@@ -8,7 +8,7 @@ from typing import Any
 
 from lmcache_mp._core.streambase import StreamBase
 from lmcache_mp.executors import PhaseExecutor
-from lmcache_mp.kv._pins import PinOwner
+from lmcache_mp.kv import PinOwner
 
 __all__ = ["pin_stream", "release"]
 

@@ -1,44 +1,33 @@
-"""Many streams run together, phase by phase, as upstream ``lmcache.sdk.batch``.
-
-Each phase (prefill, modify, decode) snapshots the selected streams' state,
-runs it on the batch's executor, and commits each stream's new state only
-if that stream succeeded. A phase in which some streams failed still
-commits the others, then raises one :class:`LMCacheBatchedStreamError`
-naming every failed stream (upstream aborted on the first failure, leaving
-partial metrics).
-"""
+"""The :class:`LMCacheBatchedStream`: its registry, its phases, its lifecycle."""
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from types import TracebackType
 from typing import Any
 
-from lmcache_mp._core.batch_core import BatchCore
-from lmcache_mp._core.batch_names import UpstreamNames
-from lmcache_mp._core.commit import raise_failures
-from lmcache_mp._core.pinning import pin_stream, release
-from lmcache_mp._core.reports import generate_report
+from lmcache_mp._core.phase import build_phase, check_stores
+from lmcache_mp._core.records import ModifyFn, StreamModifyMetrics, StreamPerfMetrics
 from lmcache_mp._core.streambase import StreamBase
+from lmcache_mp._core.validate import select_streams
 from lmcache_mp._util.arrays import check_array_type
+from lmcache_mp.batch._commit import commit, drop_staged, raise_failures
+from lmcache_mp.batch._memory import modify_bound
+from lmcache_mp.batch._pinning import pin_stream, release
+from lmcache_mp.batch._reports import ExecutorInfo, generate_report, modify_report
 from lmcache_mp.errors import LMCacheBatchedStreamError
-from lmcache_mp.executors import PhaseExecutor, PhaseRun, Preload
-from lmcache_mp.executors._factory import make_executor
-from lmcache_mp.kv._pins import DEFAULT_LEASE_S, PinOwner
+from lmcache_mp.executors import PhaseExecutor, PhaseRun, Preload, make_executor
+from lmcache_mp.kv import DEFAULT_LEASE_S, PinOwner
 from lmcache_mp.metrics import Metrics, get_formatter
-from lmcache_mp.stream import (
-    ModifyFn,
-    StreamModifyMetrics,
-    StreamPerfMetrics,
-)
 
-__all__ = ["LMCacheBatchedStream", "LMCacheBatchedStreamError"]
+__all__ = ["LMCacheBatchedStream"]
 
 
-class LMCacheBatchedStream(BatchCore, UpstreamNames):
+class LMCacheBatchedStream:
     """A collection of streams run together, one phase at a time.
 
     Args:
@@ -80,8 +69,9 @@ class LMCacheBatchedStream(BatchCore, UpstreamNames):
 
     Upstream 0.5.6's names (``request_streams``, ``get_request_stream``,
     ``run_request_streams``, ``modify_request_streams``) are the same
-    registry and phases (:class:`~lmcache_mp._core.batch_names.UpstreamNames`);
-    streams of either API can be added.
+    registry and phases, under the names ``lmcache==0.5.6`` gave the seed's
+    ``streams``/``get_stream``/``run_streams``/``modify_stream``; streams of
+    either API can be added.
 
     Attributes:
         streams: Member streams keyed by stream id.
@@ -131,6 +121,106 @@ class LMCacheBatchedStream(BatchCore, UpstreamNames):
         self._finalizer = weakref.finalize(
             self, release, self._executor, self._pinned, self._pins
         )
+
+    # -- running a phase ---------------------------------------------------------
+
+    def _select(self, stream_ids: Sequence[str] | None) -> list[str]:
+        if self._closed:
+            raise LMCacheBatchedStreamError("the batch is closed")
+        return select_streams(self.streams, stream_ids)
+
+    def _run(
+        self, ids: list[str], phase_timeout: float | None, **spec_args: Any
+    ) -> tuple[float, dict[str, BaseException]]:
+        """Run a phase over ``ids``; commit the successes; return failures."""
+        for sid in ids:
+            self.streams[sid].state.pin = self._pins
+        spec, jobs = build_phase([self.streams[sid] for sid in ids], **spec_args)
+        check_stores(spec, jobs)
+        max_in_flight = self._modify_bound(ids) if spec.kind == "modify" else None
+        streams = [self.streams[sid] for sid in ids]
+        with self._lock:
+            start = time.perf_counter()
+            try:
+                run = self._executor.run(
+                    spec,
+                    jobs,
+                    timeout=self._phase_timeout
+                    if phase_timeout is None
+                    else phase_timeout,
+                    max_in_flight=max_in_flight,
+                )
+            except BaseException:
+                # Interrupted (Ctrl-C): nothing commits, so no edit staged
+                # for this phase may stay behind in the stores.
+                drop_staged(streams, self._pins)
+                raise
+            duration = time.perf_counter() - start
+            # Under the lock: another phase of this batch stages under the
+            # same lease, and the commit sweeps the lease's leftovers.
+            self._last_run = run
+            failures = commit(
+                streams, run, self.perf_metrics, self.modify_metrics, self._pins
+            )
+        for sid in ids:
+            # Exactly the committed tokens' KV: what a phase wrote for a
+            # stream that failed, or for tokens it no longer has, is let go.
+            pin_stream(self.streams[sid], self._pins, self._pinned)
+        return duration, failures
+
+    def _modify_bound(self, ids: list[str]) -> int | None:
+        """How many streams may hold their KV in memory at once."""
+        if self._max_in_flight is not None:
+            return self._max_in_flight
+        return modify_bound([self.streams[sid] for sid in ids])
+
+    def _info(self) -> ExecutorInfo:
+        run = self._last_run
+        if run is not None and run.executor:
+            return ExecutorInfo(
+                self._executor.name, run.workers, run.executor, run.reason
+            )
+        return ExecutorInfo(self._executor.name, self._executor.workers)
+
+    def _modify(
+        self,
+        fn: ModifyFn,
+        stream_ids: list[str] | None,
+        timeout: float,
+        poll_interval: float,
+        phase_timeout: float | None,
+        fmt: str = "terminal",
+        width: int = 80,
+        array: str | None = None,
+    ) -> tuple[float, Metrics]:
+        if not callable(fn):
+            raise TypeError(f"modify fn must be callable, got {type(fn).__name__}")
+        get_formatter(fmt, width=width)  # a bad fmt/width fails before any run
+        ids = self._select(stream_ids)
+        self.modify_metrics.clear()
+        duration, failures = 0.0, dict[str, BaseException]()
+        if ids:
+            duration, failures = self._run(
+                ids,
+                phase_timeout,
+                kind="modify",
+                fn=fn,
+                retrieve_timeout=timeout,
+                poll_interval=poll_interval,
+                array=self._array if array is None else array,
+            )
+        metrics = modify_report(
+            duration,
+            [self.modify_metrics[s] for s in ids if s in self.modify_metrics],
+            fmt=fmt,
+            width=width,
+            info=self._info(),
+            num_streams=len(ids),
+            failed=len(failures),
+            run=self._last_run if ids else None,
+        )
+        raise_failures("modify", ids, failures, metrics)
+        return duration, metrics
 
     # -- registry --------------------------------------------------------------
 
@@ -421,6 +511,66 @@ class LMCacheBatchedStream(BatchCore, UpstreamNames):
         return self._generate(
             "decode", sampling_params, stream_ids, phase_timeout, fmt, width
         )[1]
+
+    # -- upstream 0.5.6's names ---------------------------------------------------
+
+    @property
+    def request_streams(self) -> dict[str, StreamBase]:
+        """Member streams keyed by id: the same dict as ``streams``."""
+        return self.streams
+
+    def get_request_stream(self, stream_id: str) -> StreamBase:
+        """Return the stream registered under ``stream_id`` (``get_stream``).
+
+        Raises:
+            LMCacheBatchedStreamError: If no stream has that id.
+        """
+        return self.get_stream(stream_id)
+
+    def run_request_streams(
+        self,
+        sampling_params: dict[str, Any],
+        stream_ids: list[str] | None = None,
+        *,
+        phase_timeout: float | None = None,
+    ) -> float:
+        """Run ``generate(sampling_params)`` on every selected stream at once
+        (``run_streams``).
+
+        Returns:
+            Wall-clock duration in seconds (0.0 when nothing was selected).
+
+        Raises:
+            LMCacheBatchedStreamError: For an unknown stream id, or when
+                streams failed (the others committed).
+        """
+        return self.run_streams(
+            sampling_params, stream_ids, phase_timeout=phase_timeout
+        )
+
+    def modify_request_streams(
+        self,
+        fn: ModifyFn,
+        stream_ids: list[str] | None = None,
+        timeout: float = 30.0,
+        poll_interval: float = 0.2,
+        *,
+        phase_timeout: float | None = None,
+    ) -> float:
+        """Apply ``fn`` to every selected stream (``modify_stream``); a 0.5.6
+        stream's fn takes ``{kind: tensor}``.
+
+        Returns:
+            Wall-clock duration in seconds (0.0 when nothing was selected).
+
+        Raises:
+            LMCachePicklingError: If ``fn`` cannot be sent to the workers.
+            LMCacheBatchedStreamError: For an unknown stream id, or when
+                streams failed (the others committed).
+        """
+        return self.modify_stream(
+            fn, stream_ids, timeout, poll_interval, phase_timeout=phase_timeout
+        )
 
     # -- lifecycle -----------------------------------------------------------------
 

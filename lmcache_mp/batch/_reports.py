@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lmcache_mp._core.records import StreamModifyMetrics, StreamPerfMetrics
 from lmcache_mp.executors import PhaseRun
 from lmcache_mp.metrics import Metrics, StreamHandler, get_formatter, summarize
-from lmcache_mp.stream import StreamModifyMetrics, StreamPerfMetrics
 
 __all__ = ["ExecutorInfo", "generate_report", "modify_report"]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 
+from lmcache_mp._core.records import StreamModifyMetrics, StreamPerfMetrics
 from lmcache_mp._core.streambase import StreamBase
 from lmcache_mp.errors import (
     LMCacheBatchedStreamError,
@@ -14,9 +15,8 @@ from lmcache_mp.errors import (
     TerminatedWorkerError,
 )
 from lmcache_mp.executors import PhaseRun
-from lmcache_mp.kv._pins import PinOwner
+from lmcache_mp.kv import PinOwner
 from lmcache_mp.metrics import Metrics
-from lmcache_mp.stream import StreamModifyMetrics, StreamPerfMetrics
 
 __all__ = ["commit", "drop_staged", "raise_failures"]
 
