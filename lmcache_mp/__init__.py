@@ -9,6 +9,7 @@ engine and the OpenAI-compatible client; ``lmcache_mp.edits`` ready-made
 KV edits. Importing the package starts nothing.
 """
 
+from lmcache_mp._util.version import __version__ as __version__
 from lmcache_mp.batch import LMCacheBatchedStream
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import (
@@ -46,5 +47,3 @@ __all__ = [
     "gil_bound",
     "releases_gil",
 ]
-
-__version__ = "0.1.0"

@@ -15,8 +15,12 @@ import os
 import sys
 from collections.abc import Sequence
 
-from lmcache_mp.bench._cli import add_bench_parser, run_bench_command
-from lmcache_mp.bench._eval_cli import add_eval_parser, run_eval_command
+from lmcache_mp.bench import (
+    add_bench_parser,
+    add_eval_parser,
+    run_bench_command,
+    run_eval_command,
+)
 
 __all__ = ["build_parser", "main"]
 

@@ -110,8 +110,10 @@ streams overlap by design, so theirs is no serial time and their
 efficiency is ``null``).
 """
 
+from lmcache_mp.bench._cli import add_bench_parser, run_bench_command
 from lmcache_mp.bench._config import BenchConfig
 from lmcache_mp.bench._eval import evaluate
+from lmcache_mp.bench._eval_cli import add_eval_parser, run_eval_command
 from lmcache_mp.bench._eval_config import EvalConfig
 from lmcache_mp.bench._eval_table import EVAL_SCHEMA, EvalResult, EvalRow
 from lmcache_mp.bench._result import SCHEMA, BenchResult, run_bench, to_json
@@ -124,7 +126,11 @@ __all__ = [
     "EvalConfig",
     "EvalResult",
     "EvalRow",
+    "add_bench_parser",
+    "add_eval_parser",
     "evaluate",
     "run_bench",
+    "run_bench_command",
+    "run_eval_command",
     "to_json",
 ]

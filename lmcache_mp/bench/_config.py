@@ -21,9 +21,15 @@ from lmcache_mp.edits import (
     Stride,
     make_edit,
 )
-from lmcache_mp.engine import EmbeddedEngine, EngineConfig, HFEngine
-from lmcache_mp.engine._config import KV_DTYPES
-from lmcache_mp.engine._hf_load import LoadedModel, load_model, resolve
+from lmcache_mp.engine import (
+    KV_DTYPES,
+    EmbeddedEngine,
+    EngineConfig,
+    HFEngine,
+    LoadedModel,
+    load_model,
+)
+from lmcache_mp.engine import resolve_model as resolve
 from lmcache_mp.executors import EXECUTOR_NAMES
 from lmcache_mp.kv import KVContext, KVStore, Layout, chunk_file_size, resolve_dtype
 

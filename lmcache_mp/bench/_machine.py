@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-import lmcache_mp
+from lmcache_mp._util.version import __version__
 from lmcache_mp.executors import physical_cores
 
 __all__ = ["load_average", "machine_info", "references", "usable_cores"]
@@ -90,7 +90,7 @@ def machine_info(start_method: str) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "python_implementation": platform.python_implementation(),
         "numpy": np.__version__,
-        "lmcache_mp": lmcache_mp.__version__,
+        "lmcache_mp": __version__,
         "platform": platform.platform(),
         "machine": platform.machine(),
         "start_method": start_method,

@@ -22,6 +22,7 @@ stream cannot hold a different number of tokens per layer; forcing one
 shared subset would make it SnapKV's selection again (issue #21).
 """
 
+from lmcache_mp._core.attention import AttentionConfig
 from lmcache_mp.edits._base import Edit, EditResult
 from lmcache_mp.edits._drop import RandomDrop
 from lmcache_mp.edits._h2o import H2O
@@ -32,7 +33,7 @@ from lmcache_mp.edits._quantize import Quantize
 from lmcache_mp.edits._redundancy import RedundancyDrop
 from lmcache_mp.edits._registry import EDITS, KIND_EDITS, make_edit
 from lmcache_mp.edits._rkv import RKV
-from lmcache_mp.edits._rope import AttentionConfig, rerotate_keys
+from lmcache_mp.edits._rope import rerotate_keys
 from lmcache_mp.edits._scorer import PyTokenScorer
 from lmcache_mp.edits._select import keep_count, keep_indices
 from lmcache_mp.edits._snapkv import SnapKV

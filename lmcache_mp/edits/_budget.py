@@ -9,8 +9,9 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from lmcache_mp._core.attention import AttentionConfig
 from lmcache_mp.edits._base import Edit, check_fraction, check_int
-from lmcache_mp.edits._rope import AttentionConfig, rerotate_keys
+from lmcache_mp.edits._rope import rerotate_keys
 from lmcache_mp.edits._select import keep_count, keep_indices
 
 __all__ = ["TokenDrop"]

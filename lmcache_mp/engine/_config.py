@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from lmcache_mp.edits import AttentionConfig
+from lmcache_mp._core.attention import AttentionConfig
 from lmcache_mp.engine._fixed import (
     MAX_HEAD_DIM,
     MAX_MATMUL_DEPTH,

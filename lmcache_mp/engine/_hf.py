@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from lmcache_mp._core.attention import AttentionConfig
 from lmcache_mp._util.arrays import as_numpy, as_type
-from lmcache_mp.edits import AttentionConfig
 from lmcache_mp.engine._base import CachingEngine
 from lmcache_mp.engine._hf_attention import recording
 from lmcache_mp.engine._hf_load import LoadedModel, ModelSource, load_model, resolve

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmcache_mp.edits import AttentionConfig
+from lmcache_mp._core.attention import AttentionConfig
 from lmcache_mp.engine._hf_attention import ATTENTION, register
 from lmcache_mp.errors import ModelLoadError
 
