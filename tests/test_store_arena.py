@@ -12,8 +12,7 @@ from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVCapacityError, KVConfigError
 from lmcache_mp.kv import SharedMemoryKVStore, connect
 from lmcache_mp.kv._chunk import HEADER_SIZE
-from lmcache_mp.kv._files import CHUNK_SUFFIX
-from lmcache_mp.kv._recycle import FREE_PREFIX
+from lmcache_mp.kv._files import CHUNK_SUFFIX, FREE_PREFIX
 from tests._fakes import LAYERS, WIDTH, kv_for
 from tests._store_util import StoreFactory, unique_url
 

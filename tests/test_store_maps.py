@@ -17,9 +17,14 @@ from lmcache_mp.bench._monitor import _shmem_kib
 from lmcache_mp.errors import KVConfigError
 from lmcache_mp.kv import SharedMemoryKVStore, _buffers, _maps
 from lmcache_mp.kv._chunk import HEADER_SIZE, decode_chunk
-from lmcache_mp.kv._files import CHUNK_SUFFIX, TEMP_PREFIX, punch
+from lmcache_mp.kv._files import (
+    CHUNK_SUFFIX,
+    FREE_PREFIX,
+    TEMP_PREFIX,
+    punch,
+    remove_free,
+)
 from lmcache_mp.kv._layout import LAYOUT_FILE, load_layout
-from lmcache_mp.kv._recycle import FREE_PREFIX, remove_free
 from tests._fakes import LAYERS, WIDTH, kv_for
 from tests._store_util import StoreFactory, address, pooled, spawned_pool
 

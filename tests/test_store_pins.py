@@ -29,7 +29,8 @@ from lmcache_mp.errors import (
     KVEvictedError,
     LMCacheBatchedStreamError,
 )
-from lmcache_mp.kv import SharedMemoryKVStore, _capacity, connect
+from lmcache_mp.kv import SharedMemoryKVStore, connect
+from lmcache_mp.kv import _files as _capacity
 from lmcache_mp.kv._chunk import HEADER_SIZE
 from lmcache_mp.kv._layout import resolve_dtype
 from tests._fakes import FakeEngine, kv_for

@@ -2,9 +2,9 @@
 store (``redis`` itself is imported only when one is first used), and a
 real LMCache server's context (``lmcache`` likewise)."""
 
-from lmcache_mp.kv._capacity import default_capacity
 from lmcache_mp.kv._chunk import chunk_file_size
 from lmcache_mp.kv._connect import KVStore, connect
+from lmcache_mp.kv._files import default_capacity
 from lmcache_mp.kv._layout import Layout, resolve_dtype
 from lmcache_mp.kv._lmcache import lmcache_context
 from lmcache_mp.kv._pins import DEFAULT_LEASE_S, PinOwner, pinning

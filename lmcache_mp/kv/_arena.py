@@ -4,7 +4,7 @@ Writing a new tmpfs file pays for every page the kernel allocates: on the
 project's 2-core VM a new file took 2.1 GB/s against 5.5 GB/s for writing
 over a file's pages already there (``scripts/copy_ceiling.py``, issue
 #20). A store opened with ``arena_bytes`` writes that many bytes of free
-files (:mod:`~lmcache_mp.kv._recycle`), each the size of one chunk file,
+files (:mod:`~lmcache_mp.kv._files`), each the size of one chunk file,
 as soon as its layout is fixed, so that its writes claim pages that are
 already there: LMCache's local CPU backend allocates its buffer at
 start-up the same way, and Ray's plasma store its memory. The pages are
@@ -23,10 +23,8 @@ import contextlib
 import os
 
 from lmcache_mp.errors import KVCapacityError, KVConfigError, KVStoreError
-from lmcache_mp.kv._capacity import Usage
 from lmcache_mp.kv._chunk import pwrite_all
-from lmcache_mp.kv._files import open_temp
-from lmcache_mp.kv._recycle import list_free, retire
+from lmcache_mp.kv._files import Usage, list_free, open_temp, retire
 
 __all__ = ["check_arena", "fill_arena"]
 

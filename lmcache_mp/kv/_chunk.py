@@ -50,10 +50,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from lmcache_mp.kv._files import open_temp
+from lmcache_mp.kv._files import claim, open_temp, retire_replaced
 from lmcache_mp.kv._layout import Layout, dtype_code
 from lmcache_mp.kv._maps import kept
-from lmcache_mp.kv._recycle import claim, retire_replaced
 
 __all__ = [
     "DIGEST_BYTES",
@@ -357,7 +356,7 @@ def write_chunk(
 
     A reader sees either no file, a previous complete file, or this one
     complete. The temp file is a free file claimed for reuse when there is
-    one (:mod:`~lmcache_mp.kv._recycle`), written through this process's
+    one (:mod:`~lmcache_mp.kv._files`), written through this process's
     kept mapping of it when it has one (:mod:`~lmcache_mp.kv._maps`), and
     a chunk it replaces is kept for reuse. The file's mtime is set from
     the fine-grained clock so that least-recently-used ordering does not

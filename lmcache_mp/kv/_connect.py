@@ -14,7 +14,7 @@ from urllib.parse import SplitResult, urlsplit
 from lmcache_mp._util.paths import shm_root
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVConfigError
-from lmcache_mp.kv._capacity import default_capacity
+from lmcache_mp.kv._files import default_capacity
 from lmcache_mp.kv._layout import Layout, resolve_dtype
 from lmcache_mp.kv._redis import RedisKVStore
 from lmcache_mp.kv._shm import DEFAULT_CHUNK_SIZE, SharedMemoryKVStore

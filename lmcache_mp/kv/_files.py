@@ -1,9 +1,32 @@
-"""The store directory: secure opening, temp files, listing, removal.
+"""The store directory: its files and what they mean.
 
 Every operation goes through a descriptor of the directory (``dir_fd``),
 opened once after the ownership and mode checks, so that renaming or
 replacing the path afterwards cannot redirect reads and writes elsewhere.
-"""
+The directory holds:
+
+- chunk files, ``<key hex>.kv`` (their format: :mod:`~lmcache_mp.kv._chunk`),
+  written through temp files ``.tmp-<pid>-<random>`` and renamed into place;
+  staged files ``.tmp-<pid>-<started>-<batch>-<random>`` are leased to the
+  batch that will publish them;
+- free files, ``.free-<random>``: chunk files that left the store (an
+  eviction, a replaced chunk, a discarded staging), kept for the next write
+  to claim (rename to its own temp name: only one writer can), check and
+  overwrite in place, as overwriting a tmpfs file's pages is several times
+  faster than allocating new ones (docs/design.md). Free files count as
+  used bytes and are the first to go when room is needed;
+- pin files, ``.pin-<pid>-<started>-<batch>-<stream digest>``: the chunks
+  one stream of one open batch depends on, a line each, replaced
+  atomically; a pin whose process is gone (or whose pid now belongs to a
+  process started at another time) is removed by the next scan;
+- eviction marks, ``.gone-<chunk name>``: how a retrieve tells KV that was
+  evicted (fail at once) from KV not stored yet (worth waiting for).
+
+Capacity is enforced by least-recently-used eviction that never touches a
+pinned chunk. Recency is a chunk file's mtime, refreshed on every hit and
+every store of an existing chunk, so all processes share one order. Byte
+accounting is approximate across processes: a handle trusts its own count
+for a second before listing the directory again."""
 
 from __future__ import annotations
 
@@ -13,32 +36,49 @@ import os
 import secrets
 import shutil
 import stat
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 import psutil
 
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError, KVStoreSecurityError
-from lmcache_mp.kv._pins import same_process
+from lmcache_mp.kv._pins import PinOwner, same_process
 
 __all__ = [
     "CHUNK_SUFFIX",
+    "FREE_PREFIX",
     "TEMP_PREFIX",
     "ChunkEntry",
     "DirHandle",
+    "Room",
+    "Usage",
+    "claim",
+    "clear_evicted",
+    "default_capacity",
+    "is_evicted",
     "kind_location",
     "list_chunks",
+    "list_free",
+    "live_pins",
+    "mark_evicted",
     "open_store_dir",
     "open_temp",
     "punch",
+    "remove_free",
+    "remove_pins",
     "remove_stale_temps",
     "remove_tree",
+    "retire",
+    "retire_replaced",
     "scan_dir",
     "staged_name",
     "temp_name",
+    "write_pin",
 ]
+
 
 #: Files being written start with this; they are never read as chunks.
 TEMP_PREFIX = ".tmp-"
@@ -346,3 +386,390 @@ class DirHandle:
         self.release()
         if self.owner_pid == os.getpid():
             remove_tree(self.path)
+
+
+#: Files whose pages wait for reuse start with this.
+FREE_PREFIX = ".free-"
+
+
+def _free_name() -> str:
+    return FREE_PREFIX + secrets.token_hex(8)
+
+
+def retire(dir_fd: int, name: str) -> None:
+    """Take ``name`` out of the store, keeping its pages for reuse."""
+    with contextlib.suppress(FileNotFoundError):
+        os.rename(name, _free_name(), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def retire_replaced(dir_fd: int, tmp: str, name: str) -> None:
+    """Rename ``tmp`` onto ``name`` atomically, keeping the replaced file's
+    pages for reuse (it is linked under a free name first)."""
+    with contextlib.suppress(OSError):
+        os.link(name, _free_name(), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def remove_free(dir_fd: int, name: str) -> None:
+    """Remove a free file for good, its pages freed even where another
+    process keeps it mapped; claimed first, so that a writer claiming it
+    at the same time gets it whole or not at all."""
+    tmp = temp_name()
+    try:
+        os.rename(name, tmp, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except FileNotFoundError:
+        return  # claimed by a writer, or removed, meanwhile
+    punch(dir_fd, tmp)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp, dir_fd=dir_fd)
+
+
+def list_free(dir_fd: int) -> list[ChunkEntry]:
+    """The free files of a store directory."""
+    found = []
+    with scan_dir(dir_fd) as entries:
+        for entry in entries:
+            if not entry.name.startswith(FREE_PREFIX):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                st = entry.stat(follow_symlinks=False)
+                found.append(ChunkEntry(entry.name, st.st_size, 0))
+    return found
+
+
+def claim(dir_fd: int, free: list[str], size: int) -> tuple[str, int] | None:
+    """Claim a free file of ``size`` bytes to overwrite.
+
+    Args:
+        dir_fd: The store directory.
+        free: Free file names to try; the ones tried are removed from it.
+        size: The size wanted.
+
+    Returns:
+        ``(temp name, descriptor open for writing)``, or ``None`` when no
+        free file could be claimed. A claimed file unfit for reuse is
+        removed.
+    """
+    while free:
+        tmp = temp_name()
+        try:
+            os.rename(free.pop(), tmp, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except FileNotFoundError:
+            continue  # another writer claimed it
+        flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(tmp, flags, dir_fd=dir_fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            continue
+        st = os.fstat(fd)
+        fit = (
+            stat.S_ISREG(st.st_mode)
+            and st.st_uid == os.geteuid()
+            and st.st_nlink == 1
+            and st.st_size == size
+        )
+        if fit:
+            return tmp, fd
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+    return None
+
+
+_PIN = ".pin-"
+_GONE = ".gone-"
+# Eviction marks kept at most; the oldest go first (inodes cost memory).
+_MAX_MARKS = 65536
+
+
+def write_pin(
+    dir_fd: int, owner: PinOwner, stream_id: str, names: Iterable[str], add: bool
+) -> None:
+    """Pin ``names`` (chunk file names) for one stream of ``owner``.
+
+    Args:
+        dir_fd: The store directory.
+        owner: The batch.
+        stream_id: The stream.
+        names: Its chunks.
+        add: Keep the chunks already pinned for it too; else replace them.
+    """
+    pin = _PIN + owner.tag(stream_id)
+    wanted = set(names)
+    if add:
+        wanted |= _read(dir_fd, pin)
+    if not wanted:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(pin, dir_fd=dir_fd)
+        return
+    tmp, fd = open_temp(dir_fd)
+    try:
+        with os.fdopen(fd, "w", closefd=False) as fh:
+            fh.write("\n".join(sorted(wanted)))
+    finally:
+        os.close(fd)
+    os.replace(tmp, pin, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def remove_pins(dir_fd: int, owner: PinOwner, stream_id: str | None = None) -> None:
+    """Release the pins of one stream of ``owner``, or all of its pins."""
+    if stream_id is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_PIN + owner.tag(stream_id), dir_fd=dir_fd)
+        return
+    prefix = f"{_PIN}{owner.tag()}-"
+    with scan_dir(dir_fd) as entries:
+        names = [e.name for e in entries if e.name.startswith(prefix)]
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dir_fd)
+
+
+def live_pins(dir_fd: int) -> set[str]:
+    """The chunk names pinned by live batches; remove dead batches' pins."""
+    pinned: set[str] = set()
+    alive: dict[tuple[int, int], bool] = {}
+    with scan_dir(dir_fd) as entries:
+        pins = [e.name for e in entries if e.name.startswith(_PIN)]
+    for pin in pins:
+        owner = _owner_of(pin)
+        if owner is not None and owner not in alive:
+            alive[owner] = same_process(*owner)
+        if owner is None or not alive[owner]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(pin, dir_fd=dir_fd)
+            continue
+        pinned |= _read(dir_fd, pin)
+    return pinned
+
+
+def _owner_of(pin: str) -> tuple[int, int] | None:
+    """``(pid, started)`` from a pin's name, or ``None`` if malformed."""
+    parts = pin[len(_PIN) :].split("-")
+    if len(parts) != 4 or not (parts[0].isdigit() and parts[1].isdigit()):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def _read(dir_fd: int, pin: str) -> set[str]:
+    try:
+        fd = os.open(pin, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return set()
+    with os.fdopen(fd, "r") as fh:
+        return set(fh.read().split())
+
+
+def mark_evicted(dir_fd: int, names: Iterable[str]) -> None:
+    """Record that chunks were evicted; prune the oldest marks past the cap."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    for name in names:
+        os.close(os.open(_GONE + name, flags, 0o600, dir_fd=dir_fd))
+    with scan_dir(dir_fd) as entries:
+        marks = [e for e in entries if e.name.startswith(_GONE)]
+        if len(marks) <= _MAX_MARKS:
+            return
+        oldest = sorted(marks, key=_mtime)[: len(marks) - _MAX_MARKS // 2]
+    for entry in oldest:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry.name, dir_fd=dir_fd)
+
+
+def _mtime(entry: os.DirEntry[str]) -> int:
+    try:
+        return entry.stat(follow_symlinks=False).st_mtime_ns
+    except FileNotFoundError:
+        return 0
+
+
+def clear_evicted(dir_fd: int, name: str) -> None:
+    """Forget that chunk ``name`` was evicted (it is being stored again)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_GONE + name, dir_fd=dir_fd)
+
+
+def is_evicted(dir_fd: int, name: str) -> bool:
+    """Whether chunk ``name`` was evicted and not stored since."""
+    try:
+        os.stat(_GONE + name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+# Memory the default capacity leaves to processes: this share of the RAM,
+# and at least _RESERVE_MIN bytes.
+_RESERVE_SHARE = 8
+_RESERVE_MIN = 1 << 30
+# How long a handle trusts its own count of the bytes in use before listing
+# the directory again: other processes' writes are unseen for at most this.
+_USAGE_TTL_S = 1.0
+
+
+def default_capacity(directory: str) -> int:
+    """What the store can really hold: the free space of ``directory``'s
+    filesystem (for ``/dev/shm``, its size less what is in it), and no more
+    than the available RAM less a reserve for the processes (an eighth of
+    the RAM, at least 1 GiB, at most half of what is available). Issue #20:
+    a quarter of the free RAM evicted KV that a batch needed long before
+    memory was short.
+
+    Raises:
+        KVStoreError: If ``directory``'s free space cannot be read.
+    """
+    memory = psutil.virtual_memory()
+    # Never more than half of what is available: a small or busy machine
+    # still gets a store.
+    reserve = min(
+        max(_RESERVE_MIN, memory.total // _RESERVE_SHARE), memory.available // 2
+    )
+    try:
+        free_disk = shutil.disk_usage(directory).free
+    except OSError as exc:
+        raise KVStoreError(f"{directory}: cannot read its free space: {exc}") from exc
+    return max(1, min(free_disk, memory.available - reserve))
+
+
+class Room(NamedTuple):
+    """What making room for new chunks found and did.
+
+    Attributes:
+        fits: How many of the new chunk files fit.
+        evicted: Chunks evicted for them.
+        evicted_bytes: Their bytes.
+        used: Bytes of chunks in the store, counting the new ones if all fit.
+        pinned: Bytes of pinned chunks; -1 when not looked at (no eviction
+            was needed).
+    """
+
+    fits: int
+    evicted: int
+    evicted_bytes: int
+    used: int
+    pinned: int
+
+
+def evict_lru(
+    dir_fd: int, need: int, capacity: int, keep: frozenset[str], evict: bool = True
+) -> tuple[int, int, int, int]:
+    """Remove least recently used unpinned chunks until ``need`` more bytes fit.
+
+    Nothing is removed when they would not fit even then. Free files
+    (:mod:`~lmcache_mp.kv._files`) count as used and go first. Recency is
+    the file's mtime, which a hit refreshes. An evicted chunk is retired
+    for reuse and leaves an eviction mark.
+
+    Args:
+        dir_fd: The store directory.
+        need: Bytes about to be written.
+        capacity: The store's capacity in bytes.
+        keep: Chunk names never to evict (the chunks being stored).
+        evict: ``False``: only count the bytes used (an arena evicts no KV).
+
+    Returns:
+        ``(evicted, evicted bytes, used, pinned)``: chunks removed here,
+        their bytes, the bytes still used, and the bytes pinned (-1 when
+        nothing had to be evicted).
+    """
+    entries = list_chunks(dir_fd)
+    free = list_free(dir_fd)
+    used = sum(e.size for e in entries) + sum(e.size for e in free)
+    if used + need <= capacity or not evict:
+        return 0, 0, used, -1
+    pinned_names = live_pins(dir_fd)
+    pinned = sum(e.size for e in entries if e.name in pinned_names)
+    held = sum(e.size for e in entries if e.name in keep or e.name in pinned_names)
+    if held + need > capacity:
+        return 0, 0, used, pinned  # cannot fit: evict nothing for nothing
+    # Free files go first (removed); then chunks, retired for reuse by the
+    # write that needs the room (the bytes stay, as that write's).
+    for entry in free:
+        if used + need <= capacity:
+            break
+        remove_free(dir_fd, entry.name)
+        used -= entry.size
+    gone: list[str] = []
+    freed = 0
+    for entry in sorted(entries, key=lambda e: (e.mtime_ns, e.name)):
+        if used + need <= capacity:
+            break
+        if entry.name in keep or entry.name in pinned_names:
+            continue
+        retire(dir_fd, entry.name)
+        gone.append(entry.name)
+        freed += entry.size
+        used -= entry.size
+    mark_evicted(dir_fd, gone)
+    return len(gone), freed, used, pinned
+
+
+class Usage:
+    """One handle's estimate of the bytes a store uses. Thread-safe.
+
+    Args:
+        capacity: The store's capacity in bytes.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._used: int | None = None
+        self._listed_at = 0.0
+        # Bytes this handle made room for that are not written yet: a
+        # listing of the directory cannot see them.
+        self._inflight = 0
+
+    def make_room(
+        self,
+        dir_fd: int,
+        count: int,
+        file_size: int,
+        keep: frozenset[str],
+        evict: bool = True,
+    ) -> Room:
+        """Evict as needed for ``count`` new chunk files of ``file_size`` bytes.
+
+        Args:
+            dir_fd: The store directory.
+            count: Chunk files about to be written.
+            file_size: Bytes of each.
+            keep: Chunk names never to evict.
+            evict: ``False``: evict nothing; only what is free fits.
+
+        Returns:
+            What fits and what was evicted. When all fit, they are counted
+            as used from now on, and as under way until :meth:`written`.
+        """
+        need = count * file_size
+        # One count per handle, read and updated under one lock, with the
+        # bytes of writes under way added to every listing: threads of one
+        # process storing at once (a thread batch's prefill) each added
+        # their chunks to a count another overwrote, or a listing missed
+        # the chunks still being written, and stores past the capacity were
+        # let in (issue #20's pinned-capacity test failed 1 run in 2).
+        with self._lock:
+            used = self._used
+            fresh = time.monotonic() - self._listed_at < _USAGE_TTL_S
+            evicted = freed = 0
+            pinned = -1
+            if used is None or not fresh or used + need > self.capacity:
+                evicted, freed, listed, pinned = evict_lru(
+                    dir_fd, need + self._inflight, self.capacity, keep, evict
+                )
+                used = listed + self._inflight
+                self._listed_at = time.monotonic()
+            fits = min(count, max(0, self.capacity - used) // file_size)
+            # A store that does not fit whole writes nothing.
+            if fits == count:
+                used += need
+                self._inflight += need
+            self._used = used
+        return Room(fits, evicted, freed, used, pinned)
+
+    def written(self, nbytes: int) -> None:
+        """The writes that :meth:`make_room` made room for (``nbytes``) are
+        over, done or failed: a listing sees what they left from now on."""
+        with self._lock:
+            self._inflight = max(0, self._inflight - nbytes)

@@ -31,8 +31,7 @@ import os
 import stat
 import threading
 
-from lmcache_mp.kv._files import CHUNK_SUFFIX, scan_dir
-from lmcache_mp.kv._recycle import FREE_PREFIX
+from lmcache_mp.kv._files import CHUNK_SUFFIX, FREE_PREFIX, scan_dir
 
 __all__ = ["keep_arena", "kept"]
 

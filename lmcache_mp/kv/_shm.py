@@ -13,7 +13,6 @@ import numpy.typing as npt
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError
 from lmcache_mp.kv._arena import check_arena, fill_arena
-from lmcache_mp.kv._capacity import Usage
 from lmcache_mp.kv._chunk import chunk_file_size
 from lmcache_mp.kv._common import (
     StoreHandle,
@@ -24,15 +23,16 @@ from lmcache_mp.kv._common import (
 )
 from lmcache_mp.kv._files import (
     DirHandle,
+    Usage,
     kind_location,
     open_store_dir,
     remove_stale_temps,
     remove_tree,
+    write_pin,
 )
 from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._layout import Layout, load_layout, publish_layout
 from lmcache_mp.kv._maps import keep_arena
-from lmcache_mp.kv._pinfiles import write_pin
 from lmcache_mp.kv._pins import PinOwner, PinScope, current_scope
 from lmcache_mp.kv._reserve import check_tokens, reserve_kv
 from lmcache_mp.kv._shm_pins import FilePins

@@ -6,9 +6,8 @@ from __future__ import annotations
 import abc
 
 from lmcache_mp.errors import KVStoreError
-from lmcache_mp.kv._files import CHUNK_SUFFIX
+from lmcache_mp.kv._files import CHUNK_SUFFIX, is_evicted, remove_pins, write_pin
 from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
-from lmcache_mp.kv._pinfiles import is_evicted, remove_pins, write_pin
 from lmcache_mp.kv._pins import PinOwner
 
 __all__ = ["FilePins"]

@@ -18,10 +18,8 @@ import numpy.typing as npt
 from lmcache_mp.kv._buffers import contiguous, empty_kv
 from lmcache_mp.kv._chunk import CorruptChunk, chunk_views, read_chunk
 from lmcache_mp.kv._common import warn_corrupt
-from lmcache_mp.kv._files import CHUNK_SUFFIX, list_chunks
+from lmcache_mp.kv._files import CHUNK_SUFFIX, list_chunks, list_free, live_pins
 from lmcache_mp.kv._layout import Layout
-from lmcache_mp.kv._pinfiles import live_pins
-from lmcache_mp.kv._recycle import list_free
 from lmcache_mp.kv._stats import Counters, StoreStats
 
 __all__ = ["read_prefix", "store_stats"]

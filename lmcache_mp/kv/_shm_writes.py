@@ -17,10 +17,15 @@ from typing import Any, NamedTuple
 from lmcache_mp.errors import KVStoreError
 from lmcache_mp.kv._chunk import write_chunk
 from lmcache_mp.kv._common import chunk_payloads
-from lmcache_mp.kv._files import CHUNK_SUFFIX, staged_name
+from lmcache_mp.kv._files import (
+    CHUNK_SUFFIX,
+    clear_evicted,
+    list_free,
+    retire,
+    retire_replaced,
+    staged_name,
+)
 from lmcache_mp.kv._layout import Layout
-from lmcache_mp.kv._pinfiles import clear_evicted
-from lmcache_mp.kv._recycle import list_free, retire, retire_replaced
 from lmcache_mp.kv._stats import Counters
 
 __all__ = ["Touched", "publish_staged", "touch_chunks", "write_chunks"]
