@@ -15,7 +15,8 @@ import pytest
 
 from lmcache_mp.bench._monitor import _shmem_kib
 from lmcache_mp.errors import KVConfigError
-from lmcache_mp.kv import SharedMemoryKVStore, _buffers, _maps
+from lmcache_mp.kv import SharedMemoryKVStore, _buffers
+from lmcache_mp.kv import _arena as _maps
 from lmcache_mp.kv._chunk import HEADER_SIZE, decode_chunk
 from lmcache_mp.kv._files import (
     CHUNK_SUFFIX,

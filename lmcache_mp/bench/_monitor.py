@@ -52,7 +52,7 @@ class PeakMemory:
     (worker processes, multiprocessing helpers) every ~20 ms, and keeps the
     largest sum since the last :meth:`reset`. Shared-memory pages (the KV
     store's chunk files, which every process with a store arena keeps
-    mapped: :mod:`lmcache_mp.kv._maps`) are counted once, not once per
+    mapped: :mod:`lmcache_mp.kv._arena`) are counted once, not once per
     process: their sum over the processes, capped at what the
     shared-memory filesystem holds. Other shared pages (copy-on-write
     pages, libraries) are counted once per process, so this is an upper

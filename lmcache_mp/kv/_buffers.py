@@ -1,20 +1,19 @@
 """Arrays for KV moved in and out of a store, in memory that is fast to fill.
 
-A retrieved KV is hundreds of MiB of new process memory. Faulted in 4 KiB
-pages, filling it ran at 0.4 GB/s against 5.7 GB/s for memory already
-touched (issue #20); in fresh transparent huge pages at 0.35-6 GB/s (fast
-only while the kernel has free huge pages at hand). So large arrays come
-from a small pool of anonymous mappings per process, advised to use huge
-pages: a mapping no array uses any more is handed out again, its pages
-already touched, as LMCache's local CPU backend reuses its buffers. The
-pool keeps at most :data:`_KEEP` mappings; others are freed with their
-array. Small arrays stay ordinary.
+A retrieved KV is hundreds of MiB of new process memory, and filling
+memory faulted in 4 KiB pages is many times slower than filling memory
+already touched (docs/benchmarks/2026-12-06-store-pages.md); fresh
+transparent huge pages are fast only while the kernel has free huge pages
+at hand. So large arrays come from a small pool of anonymous mappings per
+process, advised to use huge pages: a mapping no array uses any more is
+handed out again, its pages already touched, as LMCache's local CPU
+backend reuses its buffers. The pool keeps at most :data:`_KEEP`
+mappings; others are freed with their array. Small arrays stay ordinary.
 
-A process can touch its mappings ahead of use (:func:`reserve`): on this
-VM, fresh memory filled at 0.4 GB/s even in huge pages (the host backs
-each page on its first touch) against ~12 GB/s for touched pages, so the
-first retrieve of each worker paid ~1 s for a 512 MiB KV (issue #20).
-"""
+A process can touch its mappings ahead of use (:func:`reserve`,
+:func:`reserve_kv`): a VM's host backs each page on its first touch, so
+the first retrieve of each worker would otherwise pay for it. A batch's
+``preload`` does so as the pool starts (``map_arena(reserve_tokens=...)``)."""
 
 from __future__ import annotations
 
@@ -27,7 +26,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["contiguous", "empty_kv", "reserve", "scratch"]
+from lmcache_mp.errors import KVConfigError
+from lmcache_mp.kv._chunk import chunk_payload_size
+from lmcache_mp.kv._layout import Layout
+
+__all__ = ["check_tokens", "contiguous", "empty_kv", "reserve", "reserve_kv", "scratch"]
+
 
 # Below this, a mapping costs more than the page faults it saves.
 _MIN_MAPPED = 4 << 20
@@ -180,3 +184,32 @@ def contiguous(arr: npt.NDArray[Any], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     out = empty_kv(arr.shape, dtype)
     np.copyto(out, arr, casting="unsafe")
     return out
+
+
+def check_tokens(tokens: object) -> None:
+    """Check a ``reserve_tokens`` argument.
+
+    Raises:
+        KVConfigError: If it is not an int >= 0.
+    """
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise KVConfigError(f"reserve_tokens must be an int >= 0, got {tokens!r}")
+
+
+def reserve_kv(layout: Layout, chunk_size: int, tokens: int) -> int:
+    """Touch this process's pooled buffers for two retrieves of ``tokens``
+    tokens' KV, rounded down to whole chunks (as a retrieve returns).
+
+    Args:
+        layout: The store's layout.
+        chunk_size: The store's chunk size.
+        tokens: Tokens of the longest prefix a stream will retrieve.
+
+    Returns:
+        How many buffers were made (none when they are already there, or
+        the KV is too small to be pooled).
+    """
+    chunks = tokens // chunk_size
+    if not chunks:
+        return 0
+    return reserve(chunk_payload_size(layout, chunk_size) * chunks)

@@ -50,9 +50,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from lmcache_mp.kv._files import claim, open_temp, retire_replaced
+from lmcache_mp.kv._arena import kept
+from lmcache_mp.kv._files import claim, open_temp, pwrite_all, retire_replaced
 from lmcache_mp.kv._layout import Layout, dtype_code
-from lmcache_mp.kv._maps import kept
 
 __all__ = [
     "DIGEST_BYTES",
@@ -68,7 +68,6 @@ __all__ = [
     "decode_chunk",
     "encode_chunk",
     "encode_header",
-    "pwrite_all",
     "read_chunk",
     "write_chunk",
 ]
@@ -311,25 +310,11 @@ def decode_chunk(
     return payload
 
 
-def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    """Write all of ``view`` at ``offset``, resuming short writes.
-
-    Raises:
-        OSError: If a write moves nothing (e.g. the filesystem is full).
-    """
-    done = 0
-    while done < len(view):
-        moved = os.pwrite(fd, view[done:], offset + done)
-        if moved == 0:
-            raise OSError(f"short write: {done} of {len(view)} bytes at {offset}")
-        done += moved
-
-
 def _put(
     fd: int, mapped: npt.NDArray[np.uint8] | None, view: memoryview, offset: int
 ) -> None:
     """Write ``view`` at ``offset`` of the file ``fd``, through its kept
-    mapping (viewed as bytes) when it has one (:mod:`~lmcache_mp.kv._maps`).
+    mapping (viewed as bytes) when it has one (:mod:`~lmcache_mp.kv._arena`).
 
     numpy's copy releases the GIL, as ``pwrite`` does; a slice assignment
     to the ``mmap`` would hold it, and threads writing at once would take
@@ -357,7 +342,7 @@ def write_chunk(
     A reader sees either no file, a previous complete file, or this one
     complete. The temp file is a free file claimed for reuse when there is
     one (:mod:`~lmcache_mp.kv._files`), written through this process's
-    kept mapping of it when it has one (:mod:`~lmcache_mp.kv._maps`), and
+    kept mapping of it when it has one (:mod:`~lmcache_mp.kv._arena`), and
     a chunk it replaces is kept for reuse. The file's mtime is set from
     the fine-grained clock so that least-recently-used ordering does not
     tie at the kernel's coarse tick.
@@ -441,7 +426,7 @@ def read_chunk(
 ) -> None:
     """Read and verify a chunk straight into ``out``, through this
     process's kept mapping of its file when it has one
-    (:mod:`~lmcache_mp.kv._maps`); refresh its mtime.
+    (:mod:`~lmcache_mp.kv._arena`); refresh its mtime.
 
     A chunk that fails a check is removed (so it can be stored again) and
     reported as :class:`CorruptChunk`; ``out`` then holds garbage. A chunk

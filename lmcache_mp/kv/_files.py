@@ -67,6 +67,7 @@ __all__ = [
     "open_store_dir",
     "open_temp",
     "punch",
+    "pwrite_all",
     "remove_free",
     "remove_pins",
     "remove_stale_temps",
@@ -195,7 +196,7 @@ def open_store_dir(path: str, create: bool) -> int:
 def punch(dir_fd: int, name: str) -> None:
     """Free the pages of a store file about to be removed; best effort.
 
-    Another process may keep the file mapped (:mod:`~lmcache_mp.kv._maps`),
+    Another process may keep the file mapped (:mod:`~lmcache_mp.kv._arena`),
     and a removed file's pages live as long as a mapping of them; emptied
     first, it holds none. A reader still copying from it sees zeros, which
     its chunk's digest rejects. Only a file's last name is emptied: a temp
@@ -773,3 +774,17 @@ class Usage:
         over, done or failed: a listing sees what they left from now on."""
         with self._lock:
             self._inflight = max(0, self._inflight - nbytes)
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of ``view`` at ``offset``, resuming short writes.
+
+    Raises:
+        OSError: If a write moves nothing (e.g. the filesystem is full).
+    """
+    done = 0
+    while done < len(view):
+        moved = os.pwrite(fd, view[done:], offset + done)
+        if moved == 0:
+            raise OSError(f"short write: {done} of {len(view)} bytes at {offset}")
+        done += moved

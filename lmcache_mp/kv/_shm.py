@@ -12,7 +12,8 @@ import numpy.typing as npt
 
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError
-from lmcache_mp.kv._arena import check_arena, fill_arena
+from lmcache_mp.kv._arena import check_arena, fill_arena, keep_arena
+from lmcache_mp.kv._buffers import check_tokens, reserve_kv
 from lmcache_mp.kv._chunk import chunk_file_size
 from lmcache_mp.kv._common import (
     StoreHandle,
@@ -32,9 +33,7 @@ from lmcache_mp.kv._files import (
 )
 from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._layout import Layout, load_layout, publish_layout
-from lmcache_mp.kv._maps import keep_arena
 from lmcache_mp.kv._pins import PinOwner, PinScope, current_scope
-from lmcache_mp.kv._reserve import check_tokens, reserve_kv
 from lmcache_mp.kv._shm_pins import FilePins
 from lmcache_mp.kv._shm_reads import read_prefix, store_stats
 from lmcache_mp.kv._shm_writes import publish_staged, touch_chunks, write_chunks
