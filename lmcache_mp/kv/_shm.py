@@ -1,46 +1,336 @@
-"""The embedded shared-memory KV store: chunk files every process reads."""
+"""The embedded shared-memory KV store: chunk files every process reads.
+
+Reads fill one new KV straight from the chunk files of a prefix
+(:func:`~lmcache_mp.kv._chunk.read_chunk`), stopping at the first chunk
+that is missing or fails its check. Writes go through a temp file (a free
+file claimed for reuse when there is one) renamed onto the chunk's name,
+or left staged for the batch to publish. Pins and eviction marks are files
+of the directory (:mod:`~lmcache_mp.kv._files`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+import time
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
+import numpy as np
 import numpy.typing as npt
 
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError
 from lmcache_mp.kv._arena import check_arena, fill_arena, keep_arena
-from lmcache_mp.kv._buffers import check_tokens, reserve_kv
-from lmcache_mp.kv._chunk import chunk_file_size
+from lmcache_mp.kv._buffers import check_tokens, contiguous, empty_kv, reserve_kv
+from lmcache_mp.kv._chunk import (
+    CorruptChunk,
+    chunk_file_size,
+    chunk_views,
+    read_chunk,
+    write_chunk,
+)
 from lmcache_mp.kv._common import (
     StoreHandle,
     capacity_error,
     check_positive,
+    chunk_payloads,
     kv_layout,
     require_layout,
+    warn_corrupt,
 )
 from lmcache_mp.kv._files import (
+    CHUNK_SUFFIX,
     DirHandle,
     Usage,
+    clear_evicted,
+    is_evicted,
     kind_location,
+    list_chunks,
+    list_free,
+    live_pins,
     open_store_dir,
+    remove_pins,
     remove_stale_temps,
     remove_tree,
+    retire,
+    retire_replaced,
+    staged_name,
     write_pin,
 )
 from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._layout import Layout, load_layout, publish_layout
 from lmcache_mp.kv._pins import PinOwner, PinScope, current_scope
-from lmcache_mp.kv._shm_pins import FilePins
-from lmcache_mp.kv._shm_reads import read_prefix, store_stats
-from lmcache_mp.kv._shm_writes import publish_staged, touch_chunks, write_chunks
 from lmcache_mp.kv._staged import StagedChunks
 from lmcache_mp.kv._stats import Counters, StoreStats
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "SharedMemoryKVStore", "StagedChunks"]
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "SharedMemoryKVStore",
+    "StagedChunks",
+    "Touched",
+    "publish_staged",
+    "read_prefix",
+    "store_stats",
+    "touch_chunks",
+    "write_chunks",
+]
+
+
+def read_prefix(
+    dir_fd: int,
+    path: str,
+    counts: Counters,
+    layout: Layout,
+    chunk_size: int,
+    keys: Iterable[bytes],
+    wanted: int,
+) -> npt.NDArray[Any] | None:
+    """Read the longest cached prefix of chunks ``keys`` into one new
+    ``[P, L, T, D]`` KV.
+
+    Args:
+        dir_fd: The store directory.
+        path: Its path (named in warnings).
+        counts: The handle's counters (hits, misses, corrupt chunks).
+        layout: The store's layout.
+        chunk_size: The store's chunk size.
+        keys: The keys of the caller's whole chunks, in order (made as
+            they are asked for).
+        wanted: How many whole chunks the caller's tokens hold.
+
+    Returns:
+        The KV of the chunks read up to the first missing or corrupt one
+        (which is removed, with a
+        :class:`~lmcache_mp.errors.CorruptChunkWarning`), or ``None`` when
+        the first one cannot be read.
+    """
+    found: list[tuple[str, bytes]] = []
+    for key in keys:
+        name = key.hex() + CHUNK_SUFFIX
+        try:
+            os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            break
+        found.append((name, key))
+    if not found:
+        counts.add(misses=1)
+        return None
+    out = empty_kv(
+        (layout.planes, layout.layers, len(found) * chunk_size, layout.width),
+        layout.dtype,
+    )
+    raw = out.view(np.uint8)
+    got = 0
+    for name, key in found:
+        views = chunk_views(raw, got * chunk_size, (got + 1) * chunk_size)
+        try:
+            read_chunk(dir_fd, name, key, views, layout, chunk_size)
+        except FileNotFoundError:
+            break
+        except CorruptChunk as exc:
+            counts.add(corrupt=1)
+            # Points at the caller of the store's retrieve.
+            warn_corrupt(f"{path}/{name}", exc, stacklevel=4)
+            break
+        got += 1
+    counts.add(hits=got, misses=int(got < wanted))
+    if got == 0:
+        return None
+    if got < len(found):
+        return contiguous(out[:, :, : got * chunk_size], layout.dtype)
+    return out
+
+
+def store_stats(dir_fd: int, counts: Counters, capacity: int) -> StoreStats:
+    """The store's size, read from its directory, and a handle's counters.
+
+    Args:
+        dir_fd: The store directory.
+        counts: The handle's counters.
+        capacity: The handle's capacity in bytes.
+
+    Returns:
+        The stats: chunk files and bytes, pinned bytes, and the free bytes
+        (capacity less the chunks and the free files kept for reuse).
+    """
+    entries = list_chunks(dir_fd)
+    pinned = live_pins(dir_fd)
+    used = sum(e.size for e in entries)
+    spare = sum(e.size for e in list_free(dir_fd))
+    return counts.snapshot(
+        len(entries),
+        used,
+        capacity_bytes=capacity,
+        pinned_bytes=sum(e.size for e in entries if e.name in pinned),
+        free_bytes=max(0, capacity - used - spare),
+    )
+
+
+class Touched(NamedTuple):
+    """The chunks of a KV given to ``store``, sorted by :func:`touch_chunks`."""
+
+    #: Each chunk's key and file name, in order.
+    keys: list[bytes]
+    names: list[str]
+    #: Indices of the chunks not cached, and of those cached.
+    missing: list[int]
+    present: list[int]
+
+
+def touch_chunks(dir_fd: int, keys: Iterable[bytes]) -> Touched:
+    """Mark each cached chunk of ``keys`` used now (its recency, for
+    eviction) and sort the chunks into missing and present.
+
+    Args:
+        dir_fd: The store directory.
+        keys: The chunks' keys, in order.
+
+    Returns:
+        The chunks, with indices counted from the first key.
+    """
+    touched = Touched([], [], [], [])
+    now = time.time_ns()
+    for index, key in enumerate(keys):
+        name = key.hex() + CHUNK_SUFFIX
+        touched.keys.append(key)
+        touched.names.append(name)
+        try:
+            os.utime(name, ns=(now, now), dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            touched.missing.append(index)
+        else:
+            touched.present.append(index)
+    return touched
+
+
+def write_chunks(
+    dir_fd: int,
+    path: str,
+    counts: Counters,
+    arr: Any,
+    layout: Layout,
+    chunk_size: int,
+    chunks: Sequence[tuple[int, str, bytes]],
+    stage_for: str | None = None,
+) -> list[tuple[str, str]]:
+    """Write some chunks of a KV into a store directory.
+
+    Args:
+        dir_fd: The store directory.
+        path: Its path (named in errors).
+        counts: The handle's counters (one write per chunk).
+        arr: The KV, checked against ``layout``.
+        layout: The store's layout.
+        chunk_size: The store's chunk size.
+        chunks: ``(index along the tokens, file name, key)`` of each chunk.
+        stage_for: ``None`` to rename each chunk onto its name now; else
+            the tag of the batch that will publish them, to which each
+            chunk is left staged (:func:`~lmcache_mp.kv._files.staged_name`).
+
+    Returns:
+        The ``(staged, chunk)`` names of the chunks left unpublished.
+
+    Raises:
+        KVStoreError: If a chunk cannot be written.
+    """
+    moves: list[tuple[str, str]] = []
+    try:
+        _write_all(
+            dir_fd, path, counts, arr, layout, chunk_size, chunks, stage_for, moves
+        )
+    except BaseException:
+        # What was staged before the failure has no publisher any more.
+        publish_staged(dir_fd, path, moves, keep=False)
+        raise
+    return moves
+
+
+def _write_all(
+    dir_fd: int,
+    path: str,
+    counts: Counters,
+    arr: Any,
+    layout: Layout,
+    chunk_size: int,
+    chunks: Sequence[tuple[int, str, bytes]],
+    stage_for: str | None,
+    moves: list[tuple[str, str]],
+) -> None:
+    """The loop of :func:`write_chunks`; appends each staged chunk to
+    ``moves`` as it is made."""
+    free = [entry.name for entry in list_free(dir_fd)]
+    names = {index: (name, key) for index, name, key in chunks}
+    for index, views in chunk_payloads(arr, layout, chunk_size, list(names)):
+        name, key = names[index]
+        try:
+            tmp = write_chunk(
+                dir_fd,
+                name,
+                key,
+                views,
+                layout,
+                chunk_size,
+                publish=stage_for is None,
+                free=free,
+            )
+            if stage_for is not None:
+                # Leased to the publisher: the writer (a pool worker) may be
+                # gone before the parent publishes the stream's edit.
+                staged = staged_name(stage_for)
+                os.rename(tmp, staged, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                moves.append((staged, name))
+        except OSError as exc:
+            raise KVStoreError(f"{path}/{name}: cannot write chunk: {exc}") from exc
+        counts.add(writes=1)
+        clear_evicted(dir_fd, name)
+
+
+def publish_staged(
+    dir_fd: int, path: str, moves: Sequence[tuple[str, str]], keep: bool
+) -> None:
+    """Rename staged files onto their chunks (``keep``) or drop them; the
+    files replaced or dropped are kept for reuse.
+
+    Every staged file is checked before any is renamed, so that a stream
+    whose staging was lost keeps its old chunks, never a mix of old and new.
+
+    Args:
+        dir_fd: The store directory.
+        path: Its path (named in errors).
+        moves: ``(staged name, chunk name)`` of each staged chunk.
+        keep: Publish (``True``) or discard.
+
+    Raises:
+        KVStoreError: If ``keep`` and a staged file is gone (the store was
+            swept by hand, or its publisher's lease looked expired); the
+            rest are discarded and the cached chunks stay as they were.
+    """
+    if keep:
+        lost = [tmp for tmp, _ in moves if not _exists(dir_fd, tmp)]
+        if lost:
+            publish_staged(dir_fd, path, moves, keep=False)
+            raise KVStoreError(
+                f"{path}: {len(lost)} of {len(moves)} staged chunks are gone "
+                "before the commit; the cached chunks are unchanged"
+            )
+    for tmp, name in moves:
+        with contextlib.suppress(FileNotFoundError):
+            if keep:
+                retire_replaced(dir_fd, tmp, name)
+            else:
+                retire(dir_fd, tmp)
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
 
 #: Tokens per chunk, as LMCache's default.
 DEFAULT_CHUNK_SIZE = 256
@@ -58,7 +348,7 @@ def _reopen(
     )
 
 
-class SharedMemoryKVStore(FilePins, StoreHandle):
+class SharedMemoryKVStore(StoreHandle):
     """A KV context whose chunks are files in a private shared directory.
 
     Every process on the machine that opens the same directory shares the
@@ -501,6 +791,61 @@ class SharedMemoryKVStore(FilePins, StoreHandle):
         """
         self.close()
         remove_tree(self._path)
+
+    def _names(self, tokens: Tokens, cache_salt: str) -> list[str]:
+        """The chunk file names of every full chunk of ``tokens``."""
+        keys = chunk_keys(token_array(tokens), self._chunk_size, cache_salt)
+        return [key.hex() + CHUNK_SUFFIX for key in keys]
+
+    def pin(
+        self, owner: PinOwner, stream_id: str, tokens: Tokens, cache_salt: str = ""
+    ) -> None:
+        """Pin the chunks of ``tokens`` for one stream of a batch, replacing
+        what was pinned for it; eviction never removes pinned chunks.
+
+        A batch calls this for its member streams (issue #20); the pin lasts
+        until :meth:`unpin`, or until the process holding the batch is gone.
+
+        Args:
+            owner: The batch.
+            stream_id: The stream.
+            tokens: Its tokens (chunks not stored yet are pinned for when
+                they are).
+            cache_salt: Its salt.
+
+        Raises:
+            KVStoreError: If the store is closed or the pin cannot be written.
+        """
+        fd = self._dir_fd()
+        try:
+            write_pin(fd, owner, stream_id, self._names(tokens, cache_salt), False)
+        except OSError as exc:
+            raise KVStoreError(f"{self._url}: cannot pin KV: {exc}") from exc
+
+    def unpin(self, owner: PinOwner, stream_id: str | None = None) -> None:
+        """Release the pins of one stream of a batch, or all of the batch's.
+
+        Raises:
+            KVStoreError: If the store is closed.
+        """
+        remove_pins(self._dir_fd(), owner, stream_id)
+
+    def was_evicted(self, tokens: Tokens, cache_salt: str = "", start: int = 0) -> bool:
+        """Whether the chunk of ``tokens`` that begins at token ``start`` was
+        evicted and not stored since: the KV was there and will not come
+        back by waiting (issue #20).
+
+        Args:
+            tokens: The token ids.
+            cache_salt: Isolation salt.
+            start: A multiple of ``chunk_size``.
+
+        Raises:
+            KVStoreError: If the store is closed.
+        """
+        names = self._names(tokens, cache_salt)
+        index = start // self._chunk_size
+        return index < len(names) and is_evicted(self._dir_fd(), names[index])
 
 
 def _publisher(scope: PinScope | None) -> str:
