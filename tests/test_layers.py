@@ -40,8 +40,9 @@ def unit_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT.parent).with_suffix("")
+def module_name(path: Path, root: Path) -> str:
+    """The dotted name of the module at ``path`` in the package at ``root``."""
+    rel = path.relative_to(root.parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__" and len(parts) > 1:
         parts.pop()
@@ -50,7 +51,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def imports(path: Path, package: str) -> list[tuple[int, str]]:
+def imports(path: Path, package: str, root: Path) -> list[tuple[int, str]]:
     """``(line, module)`` of each lmcache_mp import in a file, relative ones
     resolved; ``from X import name`` counts as ``X.name`` when that is a
     module."""
@@ -74,10 +75,10 @@ def imports(path: Path, package: str) -> list[tuple[int, str]]:
                 base = ".".join([*parts[: len(parts) - node.level + 1], base])
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
-                is_module = (ROOT.parent / sub.replace(".", "/")).with_suffix(
+                is_module = (root.parent / sub.replace(".", "/")).with_suffix(
                     ".py"
                 ).exists() or (
-                    ROOT.parent / sub.replace(".", "/") / "__init__.py"
+                    root.parent / sub.replace(".", "/") / "__init__.py"
                 ).exists()
                 found.append((node.lineno, sub if is_module else base))
     return [
@@ -91,10 +92,10 @@ def violations(root: Path = ROOT) -> list[str]:
     """Every import against the layers or into another unit's private module."""
     bad: list[str] = []
     for path in sorted(root.rglob("*.py")):
-        me = module_name(path)
+        me = module_name(path, root)
         package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
         mine = unit_of(me) if me != "lmcache_mp" else "__init__"
-        for line, target in imports(path, package):
+        for line, target in imports(path, package, root):
             theirs = unit_of(target)
             where = f"{path.relative_to(root.parent)}:{line}: {me} imports {target}"
             if theirs == mine:
@@ -132,11 +133,5 @@ def test_an_upward_import_is_caught(tmp_path: Path) -> None:
     (fake / "kv" / "__init__.py").write_text("")
     (fake / "kv" / "store.py").write_text("from lmcache_mp.batch import X\n")
     (fake / "batch.py").write_text("")
-    global ROOT
-    saved = ROOT
-    ROOT = fake
-    try:
-        bad = violations(fake)
-    finally:
-        ROOT = saved
+    bad = violations(fake)
     assert len(bad) == 1 and "layer batch is not below kv" in bad[0]
