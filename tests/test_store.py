@@ -34,9 +34,9 @@ from lmcache_mp.kv import (
     _connect,
 )
 from lmcache_mp.kv._chunk import HEADER_SIZE
+from lmcache_mp.kv._common import StagedChunks
 from lmcache_mp.kv._layout import Layout
 from lmcache_mp.kv._pins import PinOwner, pinning
-from lmcache_mp.kv._staged import StagedChunks
 from tests._scripts import run_python
 from tests._store_util import (
     RawChunks,

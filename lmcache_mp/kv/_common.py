@@ -1,24 +1,30 @@
-"""What both store backends share beyond the chunk format: the checks of a
-KV and its layout, and the warnings a store gives.
+"""What both store backends share beyond the chunk format: the handle's
+base class and the staged chunks it returns, the checks of a KV and its
+layout, and the warnings and errors a store gives.
 
 Kept in one place so that the shared-memory and Redis stores refuse the
-same inputs with the same messages.
-"""
+same inputs with the same messages."""
 
 from __future__ import annotations
 
 import abc
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from lmcache_mp._util.arrays import as_numpy
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
-from lmcache_mp.errors import CorruptChunkWarning, KVCapacityError, KVConfigError
+from lmcache_mp.errors import (
+    CorruptChunkWarning,
+    KVCapacityError,
+    KVConfigError,
+    KVStoreError,
+)
 from lmcache_mp.kv._buffers import contiguous, empty_kv, scratch
 from lmcache_mp.kv._chunk import CorruptChunk, chunk_views
 from lmcache_mp.kv._keys import Tokens, check_start, token_array
@@ -26,6 +32,7 @@ from lmcache_mp.kv._layout import Layout, resolve_dtype
 from lmcache_mp.kv._pins import PinScope
 
 __all__ = [
+    "StagedChunks",
     "StoreHandle",
     "as_bytes",
     "capacity_error",
@@ -297,3 +304,60 @@ def capacity_error(
         max(pinned, 0),
         capacity,
     )
+
+
+class _Stager(Protocol):
+    """What a store that stages offers its staged chunks (both backends)."""
+
+    def _publish(self, moves: Sequence[tuple[str, str]], keep: bool) -> None:
+        """Move staged chunks onto their chunks (``keep``) or drop them."""
+
+
+@dataclass
+class StagedChunks:
+    """Chunks written aside by a store's ``stage`` (shared-memory or Redis).
+
+    Pickles by the store's location, so a worker can stage and the parent
+    commit. :meth:`commit` and :meth:`discard` are each safe to call twice;
+    a discard after a commit does nothing, a commit after a discard raises.
+
+    Args:
+        store: The store the chunks belong to.
+        moves: ``(staged, chunk)`` names: temp and chunk files in the
+            shared-memory store's directory, or staged and chunk keys in
+            the Redis store.
+    """
+
+    store: _Stager
+    moves: tuple[tuple[str, str], ...]
+    #: ``"committed"`` or ``"discarded"`` once settled by this handle.
+    _settled: str = field(default="", init=False, compare=False, repr=False)
+
+    def commit(self) -> None:
+        """Replace the cached chunks with the staged ones.
+
+        The shared-memory store renames each file atomically; the Redis
+        store moves them all in one transaction, so a reader sees the old
+        stream or the new one, never a mix.
+
+        Raises:
+            KVStoreError: If the store is closed or gone, or a staged chunk
+                is gone before the commit (Redis: expired or evicted); the
+                cached chunks are then left as they were; or if this handle
+                has discarded them.
+        """
+        if self._settled == "discarded":
+            raise KVStoreError("these staged chunks were discarded")
+        if not self._settled:
+            self._settled = "committed"
+            self.store._publish(self.moves, keep=True)
+
+    def discard(self) -> None:
+        """Remove the staged chunks; the cached chunks stay as they were.
+
+        Raises:
+            KVStoreError: If the store is closed or gone.
+        """
+        if not self._settled:
+            self._settled = "discarded"
+            self.store._publish(self.moves, keep=False)

@@ -1,38 +1,53 @@
-"""The Redis KV store: the embedded store's semantics on a Redis server.
+"""The Redis KV store: the embedded store's semantics on a Redis server,
+with its pins, eviction and eviction marks.
 
-Keys, all under the store's prefix (``kind`` is ``kv`` or ``query``)::
+Keys, all under the store's prefix (``kind`` is ``kv`` or ``query``;
+``{base}`` is ``{prefix}:{kind}``)::
 
-    {prefix}:{kind}:layout      the kind's layout (JSON), fixed by SET NX
-    {prefix}:{kind}:c:{key}     a chunk: the chunk-file bytes, key in hex
-    {prefix}:{kind}:tmp:{id}    a staged chunk, expiring after 10 minutes
-    {prefix}:claims:{id}        an executor's claims (executors/_claims.py)
+    {base}:layout                the kind's layout (JSON), fixed by SET NX
+    {base}:c:{key}               a chunk: the chunk-file bytes, key in hex
+    {base}:tmp:{id}              a staged chunk, expiring after 10 minutes
+    {base}:pin:{owner}-{stream}  a SET of the chunk keys (hex) one stream of
+                                 a batch depends on; it expires with the
+                                 batch's lease
+    {base}:gone:{key}            an eviction mark, expiring in a day
+    {prefix}:claims:{id}         an executor's claims
 
 A value is exactly a chunk file of the shared-memory store (header, digest,
 raw payload): it is checked like one and never unpickled. Each chunk is
-written by one SET, so readers never see half of one; eviction is the
-server's (``maxmemory`` with an allkeys LRU/LFU policy).
-"""
+written by one SET, so readers never see half of one.
+
+The server's own eviction (allkeys-lru/lfu) cannot spare pinned keys, so
+the store evicts first: before a write that would take the server past
+``maxmemory`` (less a small margin for its own overhead; the server's
+``used_memory`` is the measure, so this is approximate) it deletes the least
+recently used unpinned chunks (by ``OBJECT IDLETIME``), and refuses the
+write when even that would not make room. A batch killed by SIGKILL stops
+renewing its pins, which then expire (the lease)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+import math
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy.typing as npt
 
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
-from lmcache_mp.errors import KVStoreError
+from lmcache_mp.errors import KVCapacityError, KVStoreError
 from lmcache_mp.kv._chunk import CorruptChunk, chunk_views, encode_chunk
 from lmcache_mp.kv._common import (
+    StagedChunks,
     StoreHandle,
     as_bytes,
+    capacity_error,
     join_payloads,
     kv_layout,
     warn_corrupt,
 )
 from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._layout import Layout, encode_layout
-from lmcache_mp.kv._pins import PinOwner
+from lmcache_mp.kv._pins import PinOwner, current_scope
 from lmcache_mp.kv._redis_conn import (
     RedisLink,
     RedisTarget,
@@ -41,6 +56,7 @@ from lmcache_mp.kv._redis_conn import (
 )
 from lmcache_mp.kv._redis_ops import (
     KnownLayout,
+    chunk_bytes,
     delete_matching,
     drop_if_same,
     fetch,
@@ -51,13 +67,8 @@ from lmcache_mp.kv._redis_ops import (
     stage_values,
     valid_prefix,
 )
-from lmcache_mp.kv._redis_pinning import KeyPins
-from lmcache_mp.kv._redis_pins import (
-    clear_marks,
-)
 from lmcache_mp.kv._shm import DEFAULT_CHUNK_SIZE
-from lmcache_mp.kv._staged import StagedChunks
-from lmcache_mp.kv._stats import Counters
+from lmcache_mp.kv._stats import Counters, StoreStats
 
 if TYPE_CHECKING:
     import redis
@@ -65,11 +76,166 @@ if TYPE_CHECKING:
 __all__ = ["RedisKVStore"]
 
 
+# Room the store leaves below maxmemory before evicting by itself, for the
+# server's own growth (key overhead, buffers), so that the server does
+# not evict: this share of maxmemory, and at least _MARGIN_MIN bytes.
+_MARGIN_SHARE = 100
+_MARGIN_MIN = 64 << 10
+# Seconds an eviction mark lives.
+_MARK_TTL_S = 86400
+_SCAN = 1000
+
+
+class RedisRoom(NamedTuple):
+    """What making room found: whether the write fits, what was evicted,
+    and the bytes in use and pinned (-1: not looked at)."""
+
+    fits: bool
+    evicted: int
+    evicted_bytes: int
+    used: int
+    pinned: int
+
+
+def _pin_key(base: str, owner: PinOwner, stream_id: str) -> str:
+    return f"{base}:pin:{owner.tag(stream_id)}"
+
+
+def set_pin(
+    conn: redis.Redis,
+    base: str,
+    owner: PinOwner,
+    stream_id: str,
+    names: Iterable[str],
+    add: bool,
+) -> None:
+    """Pin chunk keys (hex) for one stream of ``owner``, renewing its lease.
+
+    Args:
+        conn: The client.
+        base: The kind's namespace.
+        owner: The batch.
+        stream_id: The stream.
+        names: Its chunks' key hex.
+        add: Keep what is pinned for it too; else replace it.
+    """
+    key = _pin_key(base, owner, stream_id)
+    members = list(names)
+    pipe = conn.pipeline(transaction=True)
+    if not add:
+        pipe.delete(key)
+    if members:
+        pipe.sadd(key, *members)
+        pipe.expire(key, math.ceil(owner.lease_s))
+    pipe.execute()
+
+
+def remove_pins(
+    conn: redis.Redis, base: str, owner: PinOwner, stream_id: str | None
+) -> None:
+    """Release the pins of one stream of ``owner``, or all of its pins."""
+    if stream_id is not None:
+        conn.delete(_pin_key(base, owner, stream_id))
+        return
+    keys = list(conn.scan_iter(match=f"{base}:pin:{owner.tag()}-*", count=_SCAN))
+    if keys:
+        conn.delete(*keys)
+
+
+def live_pins(conn: redis.Redis, base: str) -> set[str]:
+    """The chunk keys (hex) pinned by batches whose lease runs."""
+    keys = list(conn.scan_iter(match=f"{base}:pin:*", count=_SCAN))
+    if not keys:
+        return set()
+    pipe = conn.pipeline(transaction=False)
+    for key in keys:
+        pipe.smembers(key)
+    return {m.decode() for members in pipe.execute() for m in members}
+
+
+def make_room(
+    conn: redis.Redis, base: str, need: int, maxmemory: int, keep: set[str]
+) -> RedisRoom:
+    """Evict least recently used unpinned chunks so that ``need`` more
+    bytes fit under ``maxmemory`` without the server evicting.
+
+    Nothing is evicted when the bytes would not fit even then. Each
+    eviction leaves a mark.
+
+    Args:
+        conn: The client.
+        base: The kind's namespace.
+        need: Bytes about to be written.
+        maxmemory: The server's limit (0: unbounded, nothing to do).
+        keep: Chunk keys (hex) never to evict: the ones being written.
+    """
+    if not maxmemory:
+        return RedisRoom(True, 0, 0, 0, -1)
+    used = int(conn.info("memory")["used_memory"])
+    budget = maxmemory - max(_MARGIN_MIN, maxmemory // _MARGIN_SHARE)
+    if used + need <= budget:
+        return RedisRoom(True, 0, 0, used, -1)
+    pinned_names = live_pins(conn, base) | keep
+    prefix = f"{base}:c:"
+    keys = [k.decode() for k in conn.scan_iter(match=f"{prefix}*", count=_SCAN)]
+    pipe = conn.pipeline(transaction=False)
+    for key in keys:
+        pipe.strlen(key)
+        pipe.object("idletime", key)
+    answers = pipe.execute(raise_on_error=False)
+    chunks = []
+    pinned = 0
+    for index, key in enumerate(keys):
+        size, idle = answers[2 * index], answers[2 * index + 1]
+        if isinstance(size, Exception):
+            continue
+        if key[len(prefix) :] in pinned_names:
+            pinned += int(size)
+            continue
+        # Under an LFU policy the server keeps no idle time: scan order.
+        chunks.append((0 if isinstance(idle, Exception) else -int(idle), key, size))
+    evictable = sum(size for _, _, size in chunks)
+    if used - evictable + need > budget:
+        return RedisRoom(False, 0, 0, used, pinned)
+    gone: list[str] = []
+    freed = 0
+    for _, key, size in sorted(chunks):
+        if used - freed + need <= budget:
+            break
+        gone.append(key)
+        freed += int(size)
+    _evict(conn, base, [key[len(prefix) :] for key in gone])
+    return RedisRoom(True, len(gone), freed, used - freed, pinned)
+
+
+def _evict(conn: redis.Redis, base: str, names: list[str]) -> None:
+    """Delete chunks (by key hex) and mark them evicted."""
+    if not names:
+        return
+    pipe = conn.pipeline(transaction=False)
+    for name in names:
+        pipe.delete(f"{base}:c:{name}")
+        pipe.set(f"{base}:gone:{name}", b"", ex=_MARK_TTL_S)
+    pipe.execute()
+
+
+def clear_marks(conn: redis.Redis, base: str, names: Iterable[str]) -> None:
+    """Forget that chunks (key hex) were evicted: they are stored again."""
+    keys = [f"{base}:gone:{name}" for name in names]
+    if keys:
+        conn.delete(*keys)
+
+
+def is_marked(conn: redis.Redis, base: str, name: str) -> bool:
+    """Whether chunk ``name`` (key hex) was evicted and not stored since."""
+    return bool(conn.exists(f"{base}:gone:{name}"))
+
+
 def _reopen(url: str, chunk_size: int, kind: LMCacheSDKCacheKind) -> RedisKVStore:
     return RedisKVStore(url, chunk_size=chunk_size, kind=kind)
 
 
-class RedisKVStore(KeyPins, StoreHandle):
+class RedisKVStore(StoreHandle):
     """A KV context whose chunks are values on a Redis server.
 
     The semantics of :class:`~lmcache_mp.kv.SharedMemoryKVStore` (salted
@@ -472,3 +638,108 @@ class RedisKVStore(KeyPins, StoreHandle):
             pattern = self._key("*")
         with self._link.errors():
             delete_matching(self._link.client(), pattern)
+
+    def _make_room(self, conn: redis.Redis, hexes: list[str], need: int) -> None:
+        """Pin the chunks being written to the current stream's batch, then
+        evict unpinned chunks so that ``need`` bytes fit (issue #20).
+
+        Raises:
+            KVCapacityError: If they do not fit even so (nothing written).
+        """
+        scope = current_scope()
+        base = self._base()
+        with self._link.errors():
+            if scope is not None and scope.owner is not None:
+                set_pin(conn, base, scope.owner, scope.stream_id, hexes, add=True)
+            maxmemory = server_memory(conn).maxmemory
+            room = make_room(conn, base, need, maxmemory, set(hexes))
+        self._counts.add(evictions=room.evicted, evicted_bytes=room.evicted_bytes)
+        if not room.fits:
+            raise self._capacity_error(need, room.pinned, room.used, maxmemory)
+
+    def _capacity_error(
+        self, asked: int, pinned: int, used: int = -1, maxmemory: int = -1
+    ) -> KVCapacityError:
+        if maxmemory < 0:
+            maxmemory = self.capacity_bytes
+        return capacity_error(
+            self._link.where,
+            current_scope(),
+            asked,
+            pinned,
+            used,
+            maxmemory,
+            "Raise the server's maxmemory (CONFIG SET maxmemory BYTES)",
+        )
+
+    def pin(
+        self, owner: PinOwner, stream_id: str, tokens: Tokens, cache_salt: str = ""
+    ) -> None:
+        """As :meth:`SharedMemoryKVStore.pin
+        <lmcache_mp.kv.SharedMemoryKVStore.pin>`; the pin is a key that
+        expires after the batch's lease unless pinned again (issue #20).
+
+        Raises:
+            KVStoreConnectionError: If the server cannot be reached.
+            KVStoreError: If the store is closed or the server fails.
+        """
+        keys = chunk_keys(token_array(tokens), self._chunk_size, cache_salt)
+        with self._link.errors():
+            conn = self._link.open_client()
+            set_pin(
+                conn, self._base(), owner, stream_id, [k.hex() for k in keys], False
+            )
+
+    def unpin(self, owner: PinOwner, stream_id: str | None = None) -> None:
+        """Release the pins of one stream of a batch, or all of the batch's.
+
+        Raises:
+            KVStoreConnectionError: If the server cannot be reached.
+            KVStoreError: If the store is closed or the server fails.
+        """
+        with self._link.errors():
+            remove_pins(self._link.open_client(), self._base(), owner, stream_id)
+
+    def was_evicted(self, tokens: Tokens, cache_salt: str = "", start: int = 0) -> bool:
+        """As :meth:`SharedMemoryKVStore.was_evicted
+        <lmcache_mp.kv.SharedMemoryKVStore.was_evicted>`: the store evicted
+        it (the server's own evictions leave no mark).
+
+        Raises:
+            KVStoreConnectionError: If the server cannot be reached.
+            KVStoreError: If the store is closed or the server fails.
+        """
+        keys = list(chunk_keys(token_array(tokens), self._chunk_size, cache_salt))
+        index = start // self._chunk_size
+        if index >= len(keys):
+            return False
+        with self._link.errors():
+            return is_marked(self._link.open_client(), self._base(), keys[index].hex())
+
+    def stats(self) -> StoreStats:
+        """Return this kind's chunks and bytes, the server's capacity, the
+        keys it evicted since this handle connected, and this handle's
+        counters.
+
+        Raises:
+            KVStoreConnectionError: If the server cannot be reached.
+            KVStoreError: If the store is closed or the server fails.
+        """
+        with self._link.errors():
+            conn = self._link.open_client()
+            sizes = chunk_bytes(conn, self._key("c", "*"))
+            capacity = server_memory(conn).maxmemory
+            evictions = self._link.evictions(conn)
+            pinned = live_pins(conn, self._base())
+            pinned_sizes = chunk_bytes(conn, self._key("c", "*"), pinned)
+            used = int(conn.info("memory")["used_memory"]) if capacity else 0
+        return self._counts.snapshot(
+            len(sizes),
+            sum(sizes),
+            capacity_bytes=capacity,
+            # The server's evictions and the store's own (made before the
+            # server would evict, sparing pinned chunks).
+            evictions=evictions + self._counts.get("evictions"),
+            pinned_bytes=sum(pinned_sizes),
+            free_bytes=max(0, capacity - used) if capacity else 0,
+        )

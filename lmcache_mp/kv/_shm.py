@@ -33,6 +33,7 @@ from lmcache_mp.kv._chunk import (
     write_chunk,
 )
 from lmcache_mp.kv._common import (
+    StagedChunks,
     StoreHandle,
     capacity_error,
     check_positive,
@@ -63,7 +64,6 @@ from lmcache_mp.kv._files import (
 from lmcache_mp.kv._keys import Tokens, chunk_keys, token_array
 from lmcache_mp.kv._layout import Layout, load_layout, publish_layout
 from lmcache_mp.kv._pins import PinOwner, PinScope, current_scope
-from lmcache_mp.kv._staged import StagedChunks
 from lmcache_mp.kv._stats import Counters, StoreStats
 
 __all__ = [
