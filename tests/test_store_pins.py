@@ -33,6 +33,7 @@ from lmcache_mp.kv import SharedMemoryKVStore, connect
 from lmcache_mp.kv import _files as _capacity
 from lmcache_mp.kv._chunk import HEADER_SIZE
 from lmcache_mp.kv._layout import resolve_dtype
+from lmcache_mp.kv._stats import lru_victims
 from tests._fakes import FakeEngine, kv_for
 from tests._redis_server import RedisServer, running
 from tests._store_util import StoreFactory, bits, kv_of
@@ -384,3 +385,12 @@ def test_a_listing_while_another_is_half_read_sees_every_chunk(
     with os.scandir(ctx._dir_fd()) as other:
         next(other)
         assert ctx.stats().chunks == 3
+
+
+def test_the_eviction_policy_takes_the_least_recently_used_until_it_fits() -> None:
+    """Both backends' policy: oldest first, only as many as the write needs,
+    and nothing at all when even every candidate would not make room."""
+    candidates = [(3, "c", 10), (1, "a", 10), (2, "b", 10)]
+    assert lru_victims(candidates, used=30, need=5, budget=35) == ([], 0)
+    assert lru_victims(candidates, used=30, need=15, budget=30) == (["a", "b"], 20)
+    assert lru_victims(candidates, used=40, need=15, budget=20) is None

@@ -46,6 +46,7 @@ import psutil
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError, KVStoreSecurityError
 from lmcache_mp.kv._pins import PinOwner, same_process
+from lmcache_mp.kv._stats import Room, lru_victims
 
 __all__ = [
     "CHUNK_SUFFIX",
@@ -53,7 +54,6 @@ __all__ = [
     "TEMP_PREFIX",
     "ChunkEntry",
     "DirHandle",
-    "Room",
     "Usage",
     "claim",
     "clear_evicted",
@@ -633,25 +633,6 @@ def default_capacity(directory: str) -> int:
     return max(1, min(free_disk, memory.available - reserve))
 
 
-class Room(NamedTuple):
-    """What making room for new chunks found and did.
-
-    Attributes:
-        fits: How many of the new chunk files fit.
-        evicted: Chunks evicted for them.
-        evicted_bytes: Their bytes.
-        used: Bytes of chunks in the store, counting the new ones if all fit.
-        pinned: Bytes of pinned chunks; -1 when not looked at (no eviction
-            was needed).
-    """
-
-    fits: int
-    evicted: int
-    evicted_bytes: int
-    used: int
-    pinned: int
-
-
 def evict_lru(
     dir_fd: int, need: int, capacity: int, keep: frozenset[str], evict: bool = True
 ) -> tuple[int, int, int, int]:
@@ -681,27 +662,32 @@ def evict_lru(
         return 0, 0, used, -1
     pinned_names = live_pins(dir_fd)
     pinned = sum(e.size for e in entries if e.name in pinned_names)
-    held = sum(e.size for e in entries if e.name in keep or e.name in pinned_names)
-    if held + need > capacity:
-        return 0, 0, used, pinned  # cannot fit: evict nothing for nothing
     # Free files go first (removed); then chunks, retired for reuse by the
     # write that needs the room (the bytes stay, as that write's).
-    for entry in free:
-        if used + need <= capacity:
-            break
-        remove_free(dir_fd, entry.name)
-        used -= entry.size
+    candidates: list[tuple[object, str, int]] = [
+        ((0, 0), entry.name, entry.size) for entry in free
+    ]
+    candidates += [
+        ((1, entry.mtime_ns), entry.name, entry.size)
+        for entry in entries
+        if entry.name not in keep and entry.name not in pinned_names
+    ]
+    victims = lru_victims(candidates, used, need, capacity)
+    if victims is None:
+        return 0, 0, used, pinned  # cannot fit: evict nothing for nothing
+    free_names = {entry.name for entry in free}
+    sizes = {name: size for _, name, size in candidates}
     gone: list[str] = []
     freed = 0
-    for entry in sorted(entries, key=lambda e: (e.mtime_ns, e.name)):
-        if used + need <= capacity:
-            break
-        if entry.name in keep or entry.name in pinned_names:
+    for name in victims[0]:
+        size = sizes[name]
+        used -= size
+        if name in free_names:
+            remove_free(dir_fd, name)
             continue
-        retire(dir_fd, entry.name)
-        gone.append(entry.name)
-        freed += entry.size
-        used -= entry.size
+        retire(dir_fd, name)
+        gone.append(name)
+        freed += size
     mark_evicted(dir_fd, gone)
     return len(gone), freed, used, pinned
 

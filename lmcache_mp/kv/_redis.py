@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy.typing as npt
 
@@ -68,7 +68,7 @@ from lmcache_mp.kv._redis_ops import (
     valid_prefix,
 )
 from lmcache_mp.kv._shm import DEFAULT_CHUNK_SIZE
-from lmcache_mp.kv._stats import Counters, StoreStats
+from lmcache_mp.kv._stats import Counters, Room, StoreStats, lru_victims
 
 if TYPE_CHECKING:
     import redis
@@ -84,17 +84,6 @@ _MARGIN_MIN = 64 << 10
 # Seconds an eviction mark lives.
 _MARK_TTL_S = 86400
 _SCAN = 1000
-
-
-class RedisRoom(NamedTuple):
-    """What making room found: whether the write fits, what was evicted,
-    and the bytes in use and pinned (-1: not looked at)."""
-
-    fits: bool
-    evicted: int
-    evicted_bytes: int
-    used: int
-    pinned: int
 
 
 def _pin_key(base: str, owner: PinOwner, stream_id: str) -> str:
@@ -155,7 +144,7 @@ def live_pins(conn: redis.Redis, base: str) -> set[str]:
 
 def make_room(
     conn: redis.Redis, base: str, need: int, maxmemory: int, keep: set[str]
-) -> RedisRoom:
+) -> Room:
     """Evict least recently used unpinned chunks so that ``need`` more
     bytes fit under ``maxmemory`` without the server evicting.
 
@@ -168,13 +157,17 @@ def make_room(
         need: Bytes about to be written.
         maxmemory: The server's limit (0: unbounded, nothing to do).
         keep: Chunk keys (hex) never to evict: the ones being written.
+
+    Returns:
+        What was found and done; ``fits`` is all of ``keep`` or none.
     """
+    count = len(keep)
     if not maxmemory:
-        return RedisRoom(True, 0, 0, 0, -1)
+        return Room(count, 0, 0, 0, -1)
     used = int(conn.info("memory")["used_memory"])
     budget = maxmemory - max(_MARGIN_MIN, maxmemory // _MARGIN_SHARE)
     if used + need <= budget:
-        return RedisRoom(True, 0, 0, used, -1)
+        return Room(count, 0, 0, used, -1)
     pinned_names = live_pins(conn, base) | keep
     prefix = f"{base}:c:"
     keys = [k.decode() for k in conn.scan_iter(match=f"{prefix}*", count=_SCAN)]
@@ -183,7 +176,7 @@ def make_room(
         pipe.strlen(key)
         pipe.object("idletime", key)
     answers = pipe.execute(raise_on_error=False)
-    chunks = []
+    chunks: list[tuple[object, str, int]] = []
     pinned = 0
     for index, key in enumerate(keys):
         size, idle = answers[2 * index], answers[2 * index + 1]
@@ -193,19 +186,15 @@ def make_room(
             pinned += int(size)
             continue
         # Under an LFU policy the server keeps no idle time: scan order.
-        chunks.append((0 if isinstance(idle, Exception) else -int(idle), key, size))
-    evictable = sum(size for _, _, size in chunks)
-    if used - evictable + need > budget:
-        return RedisRoom(False, 0, 0, used, pinned)
-    gone: list[str] = []
-    freed = 0
-    for _, key, size in sorted(chunks):
-        if used - freed + need <= budget:
-            break
-        gone.append(key)
-        freed += int(size)
-    _evict(conn, base, [key[len(prefix) :] for key in gone])
-    return RedisRoom(True, len(gone), freed, used - freed, pinned)
+        chunks.append(
+            (0 if isinstance(idle, Exception) else -int(idle), key, int(size))
+        )
+    victims = lru_victims(chunks, used, need, budget)
+    if victims is None:
+        return Room(0, 0, 0, used, pinned)
+    names, freed = victims
+    _evict(conn, base, [key[len(prefix) :] for key in names])
+    return Room(count, len(names), freed, used - freed, pinned)
 
 
 def _evict(conn: redis.Redis, base: str, names: list[str]) -> None:
@@ -652,9 +641,10 @@ class RedisKVStore(StoreHandle):
             if scope is not None and scope.owner is not None:
                 set_pin(conn, base, scope.owner, scope.stream_id, hexes, add=True)
             maxmemory = server_memory(conn).maxmemory
-            room = make_room(conn, base, need, maxmemory, set(hexes))
+            keep = set(hexes)
+            room = make_room(conn, base, need, maxmemory, keep)
         self._counts.add(evictions=room.evicted, evicted_bytes=room.evicted_bytes)
-        if not room.fits:
+        if room.fits < len(keep):
             raise self._capacity_error(need, room.pinned, room.used, maxmemory)
 
     def _capacity_error(

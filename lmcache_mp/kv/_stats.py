@@ -1,11 +1,65 @@
-"""Store statistics: what is on disk, and what this handle did."""
+"""Store statistics and room: what is in a store, what this handle did, and
+the eviction policy both backends use to make room (least recently used
+first, never a pinned chunk)."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
-__all__ = ["Counters", "StoreStats"]
+__all__ = ["Counters", "Room", "StoreStats", "lru_victims"]
+
+
+class Room(NamedTuple):
+    """What making room for new chunks found and did.
+
+    Attributes:
+        fits: How many of the new chunks fit (a write that does not fit
+            whole writes none of them).
+        evicted: Chunks evicted for them.
+        evicted_bytes: Their bytes.
+        used: Bytes in use, counting the new chunks if all fit.
+        pinned: Bytes of pinned chunks; -1 when not looked at (no eviction
+            was needed).
+    """
+
+    fits: int
+    evicted: int
+    evicted_bytes: int
+    used: int
+    pinned: int
+
+
+def lru_victims(
+    candidates: Sequence[tuple[object, str, int]], used: int, need: int, budget: int
+) -> tuple[list[str], int] | None:
+    """Choose what to evict so that ``need`` more bytes fit in ``budget``.
+
+    Args:
+        candidates: What may be evicted (pinned chunks and the chunks being
+            written left out), as ``(recency, name, bytes)``; the smallest
+            recency is the least recently used and goes first.
+        used: Bytes in use now, the candidates included.
+        need: Bytes about to be written.
+        budget: Bytes the store may hold.
+
+    Returns:
+        ``(names, bytes)`` to evict, in order (empty when all fits already);
+        ``None`` when evicting every candidate would not make room, so that
+        nothing is evicted for nothing.
+    """
+    if used - sum(size for _, _, size in candidates) + need > budget:
+        return None
+    names: list[str] = []
+    freed = 0
+    for _, name, size in sorted(candidates):
+        if used - freed + need <= budget:
+            break
+        names.append(name)
+        freed += size
+    return names, freed
 
 
 @dataclass(frozen=True)
