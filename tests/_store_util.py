@@ -108,7 +108,7 @@ def temp_names(ctx: SharedMemoryKVStore) -> list[str]:
 def staged_names(ctx: KVStore) -> list[str]:
     """The store's staged chunks: temp files, or Redis staged keys."""
     if isinstance(ctx, RedisKVStore):
-        return [k.decode() for k in ctx._redis().keys(ctx._key("tmp", "*"))]
+        return [k.decode() for k in ctx.client().keys(ctx._key("tmp", "*"))]
     return temp_names(ctx)
 
 
@@ -134,7 +134,7 @@ class RawChunks:
     def get(self, index: int) -> bytes | None:
         """Chunk ``index``'s bytes, or ``None`` when it is not there."""
         if isinstance(self.ctx, RedisKVStore):
-            value: bytes | None = self.ctx._redis().get(self._name(index))
+            value: bytes | None = self.ctx.client().get(self._name(index))
             return value
         try:
             with open(self._name(index), "rb") as fh:
@@ -145,7 +145,7 @@ class RawChunks:
     def put(self, index: int, data: bytes) -> None:
         """Replace chunk ``index`` by ``data`` (atomically, as a writer would)."""
         if isinstance(self.ctx, RedisKVStore):
-            self.ctx._redis().set(self._name(index), data)
+            self.ctx.client().set(self._name(index), data)
             return
         tmp = os.path.join(self.ctx.path, temp_name())
         with open(tmp, "wb") as fh:
@@ -155,7 +155,7 @@ class RawChunks:
     def put_layout(self, data: bytes) -> None:
         """Replace the store's layout document by ``data``."""
         if isinstance(self.ctx, RedisKVStore):
-            self.ctx._redis().set(self.ctx._key(), data)
+            self.ctx.client().set(self.ctx._key(), data)
             return
         with open(os.path.join(self.ctx.path, "layout.json"), "wb") as fh:
             fh.write(data)

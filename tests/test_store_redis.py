@@ -58,7 +58,7 @@ def _prefix(ctx: RedisKVStore) -> str:
 
 
 def _keys(ctx: RedisKVStore, pattern: str = "*") -> list[str]:
-    return sorted(k.decode() for k in ctx._redis().keys(pattern))
+    return sorted(k.decode() for k in ctx.client().keys(pattern))
 
 
 def test_keys_live_under_the_prefix_by_kind(ctx: RedisKVStore) -> None:
@@ -310,7 +310,7 @@ def test_a_staged_edit_is_committed_in_one_transaction(
     start = verbs.index("MULTI")
     assert verbs[start : start + 8] == ["MULTI"] + ["RENAME", "PERSIST"] * 3 + ["EXEC"]
     for key in RawChunks(ctx, TOKENS).keys:
-        assert ctx._redis().ttl(ctx._chunk_key(key)) == -1  # no expiry left
+        assert ctx.client().ttl(ctx._chunk_key(key)) == -1  # no expiry left
     np.testing.assert_array_equal(
         bits(ctx.retrieve(TOKENS)), bits(kv_of(TOKENS, seed=1))
     )
@@ -322,9 +322,9 @@ def test_staged_chunks_expire_and_a_lost_one_fails_the_commit(
     """Staged keys expire in 10 minutes; if one is gone, commit raises and changes nothing."""
     ctx.store(kv_of(TOKENS), TOKENS)
     staged = ctx.stage(kv_of(TOKENS, seed=1), TOKENS)
-    ttls = [ctx._redis().ttl(name) for name in staged_names(ctx)]
+    ttls = [ctx.client().ttl(name) for name in staged_names(ctx)]
     assert len(ttls) == 3 and all(0 < t <= 600 for t in ttls)
-    ctx._redis().delete(staged.moves[1][0])  # evicted, or expired
+    ctx.client().delete(staged.moves[1][0])  # evicted, or expired
     with pytest.raises(
         KVStoreError, match="1 of 3 staged chunks expired or were evicted"
     ):
@@ -349,7 +349,7 @@ def test_a_planted_value_of_another_type_is_replaced(ctx: RedisKVStore) -> None:
     """A hash at a chunk's key is a miss; the next store replaces it, warned as corrupt."""
     ctx.store(kv_of(TOKENS[:C]), TOKENS[:C])
     name = ctx._chunk_key(RawChunks(ctx, TOKENS).keys[1])
-    ctx._redis().hset(name, "x", "y")
+    ctx.client().hset(name, "x", "y")
     got = ctx.retrieve(TOKENS)
     assert got is not None and got.shape[2] == C
     with pytest.warns(CorruptChunkWarning, match="a Redis hash"):
@@ -365,7 +365,7 @@ def _use_in_child(ctx: RedisKVStore, tokens: list[int], pipe: Connection) -> Non
     ctx.store(kv_of(tokens, seed=7), tokens)
     got = ctx.retrieve(tokens)
     assert got is not None
-    pipe.send((bytes(bits(got)), id(ctx._redis().connection_pool)))
+    pipe.send((bytes(bits(got)), id(ctx.client().connection_pool)))
 
 
 def _run_child(method: str, ctx: RedisKVStore, tokens: list[int]) -> tuple[bytes, int]:
@@ -398,12 +398,12 @@ def test_a_spawned_process_uses_the_pickled_store(ctx: RedisKVStore) -> None:
 def test_a_forked_child_opens_its_own_connections(ctx: RedisKVStore) -> None:
     """A forked child using the inherited handle gets a pool of its own; the parent's still works."""
     ctx.store(kv_of(TOKENS), TOKENS)
-    parent_pool = ctx._redis().connection_pool
+    parent_pool = ctx.client().connection_pool
     other = list(range(700, 700 + 2 * C))
     got, child_pool_id = _run_child("fork", ctx, other)
     assert child_pool_id != id(parent_pool)
     assert got == bytes(bits(kv_of(other, seed=7)))
-    assert ctx._redis().connection_pool is parent_pool
+    assert ctx.client().connection_pool is parent_pool
     np.testing.assert_array_equal(bits(ctx.retrieve(TOKENS)), bits(kv_of(TOKENS)))
 
 
@@ -417,7 +417,7 @@ def test_destroy_deletes_every_key_of_its_prefix_only(
     for store in (ctx, neighbour, ctx.for_kind(QUERY)):
         store.store(kv_of(TOKENS)[: store.kind.planes], TOKENS)
     ctx.stage(kv_of(TOKENS, seed=1), TOKENS)
-    ctx._redis().hset(ctx._claims_key("phase"), "0", "worker")
+    ctx.client().hset(ctx.claims_key("phase"), "0", "worker")
     query = ctx.for_kind(QUERY)
     query.destroy()
     assert _keys(ctx, f"{_prefix(ctx)}:query:*") == []

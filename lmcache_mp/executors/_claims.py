@@ -22,9 +22,9 @@ import contextlib
 import os
 import secrets
 from dataclasses import dataclass
-from typing import Any
 
 from lmcache_mp._util.paths import private_tempdir, remove_tree
+from lmcache_mp.kv import RedisKVStore
 
 __all__ = ["Claims", "FileClaims", "RedisClaims"]
 
@@ -128,22 +128,22 @@ class RedisClaims(Claims):
     """Claims as one Redis hash, inside a store's key namespace.
 
     Args:
-        store: A store with a ``_redis()`` client (:class:`RedisKVStore`);
-            it pickles by URL, so every worker reaches the same server.
+        store: The phase's :class:`~lmcache_mp.kv.RedisKVStore`; it pickles
+            by URL, so every worker reaches the same server.
         key: The hash's key, under the store's prefix.
     """
 
-    store: Any
+    store: RedisKVStore
     key: str
 
     @classmethod
-    def create(cls, store: Any) -> RedisClaims:
+    def create(cls, store: RedisKVStore) -> RedisClaims:
         """Make the claims of a phase in ``store``'s namespace."""
-        return cls(store, store._claims_key(secrets.token_hex(8)))
+        return cls(store, store.claims_key(secrets.token_hex(8)))
 
     def begin(self, no: int, owner: str) -> str | None:
         """Claim job ``no`` (HSETNX); see :meth:`Claims.begin`."""
-        client = self.store._redis()
+        client = self.store.client()
         pipe = client.pipeline(transaction=True)
         pipe.hsetnx(self.key, str(no), owner)
         pipe.expire(self.key, _REDIS_CLAIM_TTL_S)
@@ -155,16 +155,16 @@ class RedisClaims(Claims):
 
     def end(self, no: int) -> None:
         """Release job ``no``'s claim."""
-        self.store._redis().hdel(self.key, str(no))
+        self.store.client().hdel(self.key, str(no))
 
     def owners(self) -> dict[int, str]:
         """Return job number to owner for every claim still held."""
-        raw = self.store._redis().hgetall(self.key)
-        return {int(k): bytes(v).decode("utf-8", "replace") for k, v in raw.items()}
+        raw: dict[bytes, bytes] = self.store.client().hgetall(self.key)  # type: ignore[assignment]
+        return {int(k): v.decode("utf-8", "replace") for k, v in raw.items()}
 
     def clear(self) -> None:
         """Release every claim."""
-        self.store._redis().delete(self.key)
+        self.store.client().delete(self.key)
 
     def remove(self) -> None:
         """Delete the hash; safe to call twice."""

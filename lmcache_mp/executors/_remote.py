@@ -35,6 +35,7 @@ from lmcache_mp.errors import TerminatedWorkerError
 from lmcache_mp.executors._base import PhaseRun
 from lmcache_mp.executors._claims import Claims, FileClaims, RedisClaims
 from lmcache_mp.executors._dispatch import ShardExecutor
+from lmcache_mp.kv import RedisKVStore
 
 __all__ = ["RemoteExecutor"]
 
@@ -76,7 +77,7 @@ class RemoteExecutor(ShardExecutor):
         reaches it. Otherwise files: a shared-memory store only works for
         workers on this machine anyway."""
         for ctx in spec.contexts:
-            if callable(getattr(ctx, "_claims_key", None)):
+            if isinstance(ctx, RedisKVStore):
                 return RedisClaims.create(ctx)
         return FileClaims.create(self._private_dir())
 

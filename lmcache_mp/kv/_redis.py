@@ -318,13 +318,33 @@ class RedisKVStore(StoreHandle):
     def _chunk_key(self, key: bytes) -> str:
         return self._key("c", key.hex())
 
-    def _claims_key(self, name: str) -> str:
-        """A key for an executor's claims: in the prefix (``destroy``
-        removes it), outside every kind's namespace."""
+    def claims_key(self, name: str) -> str:
+        """Return a key for an executor's claims on a phase's jobs.
+
+        Executors that run a phase on several hosts keep their claims
+        beside the KV, on the server every worker reaches. The key is in
+        the store's prefix (:meth:`destroy` removes it) and outside every
+        kind's namespace (no chunk, pin or stat sees it).
+
+        Args:
+            name: The phase's claims name, unique to it.
+
+        Returns:
+            The key, for use with :meth:`client`.
+        """
         return f"{self._link.target.prefix}:claims:{name}"
 
-    def _redis(self) -> redis.Redis:
-        """This process's client of the server (executors' claims use it)."""
+    def client(self) -> redis.Redis:
+        """Return this process's client of the server (made anew in a forked
+        child), for keys kept beside the store's such as :meth:`claims_key`.
+
+        Returns:
+            A ``redis.Redis`` client, on the handle's pool whether or not
+            the handle is closed.
+
+        Raises:
+            KVConfigError: If ``redis`` is not installed.
+        """
         return self._link.client()
 
     def ping(self) -> None:
