@@ -30,7 +30,14 @@ from lmcache_mp.errors import KVConfigError
 from lmcache_mp.kv._chunk import chunk_payload_size
 from lmcache_mp.kv._layout import Layout
 
-__all__ = ["check_tokens", "contiguous", "empty_kv", "reserve", "reserve_kv", "scratch"]
+__all__ = [
+    "check_reserve_tokens",
+    "contiguous",
+    "empty_kv",
+    "reserve",
+    "reserve_kv",
+    "scratch",
+]
 
 
 # Below this, a mapping costs more than the page faults it saves.
@@ -186,7 +193,7 @@ def contiguous(arr: npt.NDArray[Any], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     return out
 
 
-def check_tokens(tokens: object) -> None:
+def check_reserve_tokens(tokens: object) -> None:
     """Check a ``reserve_tokens`` argument.
 
     Raises:

@@ -71,7 +71,7 @@ __all__ = [
     "remove_free",
     "remove_pins",
     "remove_stale_temps",
-    "remove_tree",
+    "remove_store_dir",
     "retire",
     "retire_replaced",
     "scan_dir",
@@ -308,7 +308,7 @@ def list_chunks(dir_fd: int) -> list[ChunkEntry]:
     return found
 
 
-def remove_tree(path: str) -> None:
+def remove_store_dir(path: str) -> None:
     """Remove a store directory; a missing directory is not an error.
 
     Raises:
@@ -386,7 +386,7 @@ class DirHandle:
         """Release, and remove the directory if this process owns it."""
         self.release()
         if self.owner_pid == os.getpid():
-            remove_tree(self.path)
+            remove_store_dir(self.path)
 
 
 #: Files whose pages wait for reuse start with this.

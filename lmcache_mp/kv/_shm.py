@@ -24,7 +24,12 @@ import numpy.typing as npt
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError
 from lmcache_mp.kv._arena import check_arena, fill_arena, keep_arena
-from lmcache_mp.kv._buffers import check_tokens, contiguous, empty_kv, reserve_kv
+from lmcache_mp.kv._buffers import (
+    check_reserve_tokens,
+    contiguous,
+    empty_kv,
+    reserve_kv,
+)
 from lmcache_mp.kv._chunk import (
     CorruptChunk,
     chunk_file_size,
@@ -55,7 +60,7 @@ from lmcache_mp.kv._files import (
     open_store_dir,
     remove_pins,
     remove_stale_temps,
-    remove_tree,
+    remove_store_dir,
     retire,
     retire_replaced,
     staged_name,
@@ -547,7 +552,7 @@ class SharedMemoryKVStore(StoreHandle):
             KVStoreError: If the store is closed.
             KVConfigError: If ``reserve_tokens`` is not an int >= 0.
         """
-        check_tokens(reserve_tokens)
+        check_reserve_tokens(reserve_tokens)
         fd = self._dir_fd()
         layout = self.layout
         if layout is None:
@@ -790,7 +795,7 @@ class SharedMemoryKVStore(StoreHandle):
             KVStoreError: If the directory cannot be removed.
         """
         self.close()
-        remove_tree(self._path)
+        remove_store_dir(self._path)
 
     def _names(self, tokens: Tokens, cache_salt: str) -> list[str]:
         """The chunk file names of every full chunk of ``tokens``."""
