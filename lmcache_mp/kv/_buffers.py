@@ -124,7 +124,7 @@ def scratch(nbytes: int) -> npt.NDArray[np.uint8]:
     One buffer per thread, reused by its next call (its pages stay
     touched, and it stays in cache): what a store stages one piece of a
     strided KV in, where a copy of the whole KV would fault in hundreds of
-    MiB of new memory per stored stream (issue #20). The caller is done
+    MiB of new memory per stored stream. The caller is done
     with it before its thread asks again.
 
     Args:
@@ -144,7 +144,7 @@ def reserve(nbytes: int, count: int = _KEEP) -> int:
     that this process's next arrays of that size fill at memory speed.
 
     What a worker does as its pool starts, before it retrieves KV of that
-    size (issue #20). Mappings already idle and of a fitting size count.
+    size. Mappings already idle and of a fitting size count.
 
     Args:
         nbytes: The arrays' size in bytes; nothing is done below the size

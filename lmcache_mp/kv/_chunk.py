@@ -25,12 +25,13 @@ another key fails as well. It detects corruption, truncation and torn or
 misplaced files; it is not a secret, so it does not stop a user who can
 write the directory from forging a chunk: the 0700 directory does that.
 The payload pass is a sum of the 64-bit words of each 4 KiB block, the
-blocks' sums in order (format version 3, issue #20): numpy adds them at
-~18 GB/s, where CRC-32 (version 2, issue #12) ran at 2.9 GB/s and BLAKE2b
-(version 1) at 0.8 GB/s, each the slowest step of a retrieve. A changed,
-zeroed, truncated or torn block changes its sum (two changes in one block
-that cancel exactly are the accident it misses); BLAKE2b binds the sums,
-in block order, to the header and the key.
+blocks' sums in order (format version 3): numpy adds them several times
+faster than CRC-32 (version 2) or BLAKE2b (version 1) hash the payload,
+either of which would be the slowest step of a retrieve (see
+docs/design.md). A changed, zeroed, truncated or torn block changes its
+sum (two changes in one block that cancel exactly are the accident it
+misses); BLAKE2b binds the sums, in block order, to the header and the
+key.
 Payloads are raw elements: reading a chunk never unpickles anything.
 """
 
@@ -144,7 +145,7 @@ class BlockSums:
     a chunk's layer is 256 tokens x width x itemsize), after only such
     pieces, is summed as it comes, while it is still in the CPU's cache
     from the copy that just moved it (a second pass over the chunk from
-    memory cost ~15% of a store, issue #20); from the first piece that is
+    memory is a measurable share of a store); from the first piece that is
     not, the rest is joined and summed at the end.
     """
 
@@ -475,9 +476,9 @@ def _read_mapped(fd: int, size: int, out: list[memoryview]) -> tuple[bytes, Bloc
     mapping of it: the payload into ``out``, each piece summed while it is
     still in cache; return the header and the sums.
 
-    A copy out of a mapping ran at 1.1x ``readv``'s speed on tmpfs's 4 KiB
-    pages and at 1.9x on its huge pages, where it reaches memcpy
-    (``scripts/copy_ceiling.py``, issue #20). Chunk files are never
+    A copy out of a mapping is faster than ``readv`` on tmpfs, most on its
+    huge pages, where it reaches memcpy (``scripts/copy_ceiling.py``
+    measures it). Chunk files are never
     truncated in place (a recycled one is overwritten at its size), so the
     mapping never reaches past the file's end.
     """

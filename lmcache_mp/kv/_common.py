@@ -168,9 +168,9 @@ def chunk_payloads(
     (an edit's strided view, such as keeping every other token, or another
     dtype) is copied one piece (a plane's layer of a chunk) at a time into
     the thread's scratch buffer rather than whole: the same bytes copied,
-    but into pages already touched instead of a new copy of the KV (issue
-    #20: 256 MiB of new memory per stream, faulted in at 0.3-1.6 GB/s
-    here), and small enough that the piece is still in cache when it is
+    but into pages already touched instead of a new copy of the KV (new
+    memory, faulted in far slower than a copy; see docs/design.md), and
+    small enough that the piece is still in cache when it is
     summed and written. Each piece is valid until the next is asked for.
 
     Args:
@@ -277,7 +277,7 @@ def capacity_error(
     capacity: int,
     how: str,
 ) -> KVCapacityError:
-    """The error of a store call whose new chunks do not fit (issue #20).
+    """The error of a store call whose new chunks do not fit.
 
     Args:
         where: The store's URL.

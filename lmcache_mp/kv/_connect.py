@@ -208,10 +208,10 @@ def connect(
         arena_bytes: Shared-memory KV only: bytes of chunk files whose
             pages are written as soon as the layout is fixed (at once
             when ``layers``, ``width`` and ``dtype`` are given), for stores
-            to fill instead of allocating pages as they write (2.6x faster
-            writes on tmpfs, issue #20); writing them ran at 1-2.5 GB/s
-            on the project's VM. Counted as used; at most the capacity;
-            default 0.
+            to fill instead of allocating pages as they write (writing
+            into pages already allocated is several times faster on
+            tmpfs; see docs/design.md). Counted as used; at most the
+            capacity; default 0.
 
     Returns:
         The store's context.

@@ -277,8 +277,7 @@ def scan_dir(dir_fd: int) -> Iterator[Iterator[os.DirEntry[str]]]:
     ``os.scandir(dir_fd)`` reads through a dup of ``dir_fd``, and dups share
     one directory offset: two threads of a handle listing the store at once
     each skipped the entries the other had read, so a chunk went uncounted
-    and a store past the capacity was let in (issue #20's capacity test
-    failed 1 run in 20).
+    and a store past the capacity would be let in.
     """
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
     fd = os.open(".", flags, dir_fd=dir_fd)
@@ -613,9 +612,9 @@ def default_capacity(directory: str) -> int:
     """What the store can really hold: the free space of ``directory``'s
     filesystem (for ``/dev/shm``, its size less what is in it), and no more
     than the available RAM less a reserve for the processes (an eighth of
-    the RAM, at least 1 GiB, at most half of what is available). Issue #20:
-    a quarter of the free RAM evicted KV that a batch needed long before
-    memory was short.
+    the RAM, at least 1 GiB, at most half of what is available). A
+    smaller share of the free RAM would evict KV that a batch needs long
+    before memory is short.
 
     Raises:
         KVStoreError: If ``directory``'s free space cannot be read.
@@ -733,9 +732,9 @@ class Usage:
         # One count per handle, read and updated under one lock, with the
         # bytes of writes under way added to every listing: threads of one
         # process storing at once (a thread batch's prefill) each added
-        # their chunks to a count another overwrote, or a listing missed
-        # the chunks still being written, and stores past the capacity were
-        # let in (issue #20's pinned-capacity test failed 1 run in 2).
+        # their chunks to a count another overwrote, or a listing misses
+        # the chunks still being written, and stores past the capacity
+        # would be let in.
         with self._lock:
             used = self._used
             fresh = time.monotonic() - self._listed_at < _USAGE_TTL_S

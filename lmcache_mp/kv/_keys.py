@@ -103,7 +103,7 @@ def chunk_keys(
 
 
 def check_start(start: object, n_tokens: int, chunk_size: int) -> None:
-    """Check the ``start`` of a chunk-wise store or retrieve (issue #20).
+    """Check the ``start`` of a chunk-wise store or retrieve.
 
     Args:
         start: The first token of the KV stored or wanted.

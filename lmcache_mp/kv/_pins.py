@@ -9,7 +9,7 @@ what they write to its pins first, so KV stored mid-phase is safe before
 the batch commits the stream's new tokens. Closing the batch releases its
 pins; a batch whose process died releases them too: the shared-memory
 store drops pins whose process is gone, the Redis store's pins are keys
-that expire with the lease (issue #20).
+that expire with the lease.
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ def process_started(pid: int) -> int | None:
     On Linux, ``starttime`` of ``/proc/PID/stat``: clock ticks from boot to
     the process's start. psutil's ``create_time`` adds the boot time, which
     moves with every step of the wall clock: a pin read after a step of
-    more than the slack looked orphaned and was dropped (issue #20's
-    guarantee, seen flaky on this project's machines).
+    more than the slack would make a live batch's pin look orphaned, and
+    drop it.
     """
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:

@@ -474,9 +474,8 @@ class RedisKVStore(StoreHandle):
         new ones are written with SET NX, each atomically. Before the
         server would evict, the store evicts least recently used chunks
         itself, never those pinned by open batches; what does not fit even
-        then raises :class:`KVCapacityError` at once (issue #20). A value at
-        a chunk's key that
-        is not a string (planted) is replaced, as a corrupt chunk.
+        then raises :class:`KVCapacityError` at once. A value at a chunk's
+        key that is not a string (planted) is replaced, as a corrupt chunk.
 
         Args:
             kv: ``[2, L, len(tokens), D]`` (``[1, ...]`` for queries): a numpy
@@ -650,7 +649,7 @@ class RedisKVStore(StoreHandle):
 
     def _make_room(self, conn: redis.Redis, hexes: list[str], need: int) -> None:
         """Pin the chunks being written to the current stream's batch, then
-        evict unpinned chunks so that ``need`` bytes fit (issue #20).
+        evict unpinned chunks so that ``need`` bytes fit.
 
         Raises:
             KVCapacityError: If they do not fit even so (nothing written).
@@ -687,7 +686,7 @@ class RedisKVStore(StoreHandle):
     ) -> None:
         """As :meth:`SharedMemoryKVStore.pin
         <lmcache_mp.kv.SharedMemoryKVStore.pin>`; the pin is a key that
-        expires after the batch's lease unless pinned again (issue #20).
+        expires after the batch's lease unless pinned again.
 
         Raises:
             KVStoreConnectionError: If the server cannot be reached.

@@ -396,7 +396,7 @@ class SharedMemoryKVStore(StoreHandle):
         check_positive("capacity_bytes", capacity_bytes)
         check_arena(arena_bytes, capacity_bytes)
         # Allocated once, by this handle only (a copy unpickled elsewhere
-        # does not carry it): issue #20.
+        # does not carry it).
         self._arena = arena_bytes
         self._path = path
         self._url = url
@@ -405,7 +405,7 @@ class SharedMemoryKVStore(StoreHandle):
         self._lock = threading.Lock()
         self._closed = False
         self._layout: Layout | None = None
-        # Whether this handle has had the store's arena mapped (issue #20).
+        # Whether this handle has had the store's arena mapped.
         self._mapped = False
         self._usage = Usage(capacity_bytes)
         self._counts = Counters()
@@ -535,8 +535,8 @@ class SharedMemoryKVStore(StoreHandle):
         write here would.
 
         Each process keeps the files of a store with an arena mapped, to
-        copy through them at memcpy's speed (:mod:`._maps`, issue #20),
-        from its first call (~0.14 s per GiB here). In a batch's
+        copy through them at memcpy's speed, from its first call (mapping
+        them takes a moment per GiB; see docs/design.md). In a batch's
         ``preload``, each worker maps them as the pool starts instead.
 
         Args:
@@ -580,8 +580,8 @@ class SharedMemoryKVStore(StoreHandle):
                 returned.
             start: Return the KV from this token on (a chunk boundary), for
                 an engine that loads a long prefix a chunk at a time, as
-                LMCache's ``retrieve`` mask skips the tokens a caller holds
-                (issue #20). The chunks before it are not read.
+                LMCache's ``retrieve`` mask skips the tokens a caller
+                holds. The chunks before it are not read.
 
         Returns:
             A new contiguous ``[P, L, T, D]`` array (``P`` 2 for KV, 1 for
@@ -626,7 +626,7 @@ class SharedMemoryKVStore(StoreHandle):
         chunks do not fit, least recently used chunks of other prefixes are
         evicted, never chunks pinned by open batches; when they do not fit
         even then, nothing is stored and :class:`KVCapacityError` is raised
-        at once (issue #20).
+        at once.
 
         Args:
             kv: ``[2, L, len(tokens), D]``: a numpy array, a torch tensor or
@@ -640,7 +640,7 @@ class SharedMemoryKVStore(StoreHandle):
             start: The first token ``kv`` holds (a chunk boundary): ``kv``
                 is then ``[2, L, len(tokens) - start, D]``, so that an
                 engine offloads a prefill a chunk at a time, as LMCache's
-                ``store`` mask skips a stored prefix (issue #20). The
+                ``store`` mask skips a stored prefix. The
                 chunks before it are left as they are.
 
         Returns:
@@ -808,7 +808,7 @@ class SharedMemoryKVStore(StoreHandle):
         """Pin the chunks of ``tokens`` for one stream of a batch, replacing
         what was pinned for it; eviction never removes pinned chunks.
 
-        A batch calls this for its member streams (issue #20); the pin lasts
+        A batch calls this for its member streams; the pin lasts
         until :meth:`unpin`, or until the process holding the batch is gone.
 
         Args:
@@ -838,7 +838,7 @@ class SharedMemoryKVStore(StoreHandle):
     def was_evicted(self, tokens: Tokens, cache_salt: str = "", start: int = 0) -> bool:
         """Whether the chunk of ``tokens`` that begins at token ``start`` was
         evicted and not stored since: the KV was there and will not come
-        back by waiting (issue #20).
+        back by waiting.
 
         Args:
             tokens: The token ids.

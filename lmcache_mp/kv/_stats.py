@@ -89,7 +89,7 @@ class StoreStats:
             ``maxmemory`` never evicts) or, where the server's ACL hides
             it, unknown.
         pinned_bytes: Of ``bytes``, those pinned by the streams of open
-            batches: never evicted (issue #20).
+            batches: never evicted.
         evicted_bytes: Bytes of the chunks this handle evicted.
         free_bytes: Bytes still free before the capacity (0 when unbounded
             or unknown).
