@@ -21,6 +21,7 @@ from lmcache_mp.bench import (
     run_bench_command,
     run_eval_command,
 )
+from lmcache_mp.engine.http.server import add_serve_parser, run_serve_command
 
 __all__ = ["build_parser", "main"]
 
@@ -38,18 +39,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     bench = add_bench_parser(subparsers)
-    # The eval's parser rides in its namespace: build_parser's return stays
-    # the bench's (issue #21).
+    # The eval's parser rides in its namespace, as build_parser returns the
+    # bench's.
     evaluate = add_eval_parser(subparsers)
     evaluate.set_defaults(eval_parser=evaluate)
-    # Listed for --help only: main() hands "serve ..." to the server's own
-    # parser before this one sees its options.
-    subparsers.add_parser(
-        "serve",
-        help="serve the toy engine or a trained model (--model) over an "
-        "OpenAI-compatible HTTP API (lmcache-mp serve --help)",
-        add_help=False,
-    )
+    add_serve_parser(subparsers)
     return parser, bench
 
 
@@ -63,14 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status. Usage errors exit with status 2 (argparse).
     """
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["serve"]:
-        # Imported here: the server's dependencies load only when serving.
-        from lmcache_mp.engine.http.server import cli
-
-        return cli(args_list[1:])
     parser, bench = build_parser()
-    args = parser.parse_args(args_list)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "serve":
+        return run_serve_command(args)
     try:
         if args.command == "eval":
             return run_eval_command(args.eval_parser, args)

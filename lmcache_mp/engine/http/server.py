@@ -73,7 +73,9 @@ __all__ = [
     "DEFAULT_READ_TIMEOUT",
     "EngineServer",
     "ServerLimits",
+    "add_serve_parser",
     "cli",
+    "run_serve_command",
     "serve",
 ]
 
@@ -418,10 +420,22 @@ def serve(
     return server.start()
 
 
-def _parser() -> argparse.ArgumentParser:
+def add_serve_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Add the ``serve`` subcommand and its options.
+
+    Args:
+        subparsers: The ``lmcache-mp`` parser's subparsers.
+
+    Returns:
+        The ``serve`` parser.
+    """
     defaults = EngineConfig()
-    parser = argparse.ArgumentParser(
-        prog="lmcache-mp serve",
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the toy engine or a trained model (--model) over an "
+        "OpenAI-compatible HTTP API",
         description="Serve the embedded toy engine, or a trained model, with an "
         "OpenAI-compatible API (GET /health, GET /v1/models, "
         "POST /v1/completions).",
@@ -546,22 +560,36 @@ def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
 
 
 def cli(argv: list[str]) -> int:
-    """Run ``lmcache-mp serve`` until SIGINT or SIGTERM.
-
-    Prints ``lmcache-mp serve: listening on http://HOST:PORT`` as its first
-    line once the server accepts connections.
+    """Run ``lmcache-mp serve`` (``python -m lmcache_mp.engine.http.server``).
 
     Args:
         argv: The arguments after ``serve``.
 
     Returns:
+        The exit status of :func:`run_serve_command`; 2 for bad arguments.
+    """
+    parser = argparse.ArgumentParser(prog="lmcache-mp")
+    add_serve_parser(parser.add_subparsers())
+    try:
+        args = parser.parse_args(["serve", *argv])
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    return run_serve_command(args)
+
+
+def run_serve_command(args: argparse.Namespace) -> int:
+    """Serve with parsed ``serve`` arguments until SIGINT or SIGTERM.
+
+    Prints ``lmcache-mp serve: listening on http://HOST:PORT`` as its first
+    line once the server accepts connections.
+
+    Args:
+        args: The ``serve`` parser's arguments.
+
+    Returns:
         The exit status: 0 after a clean shutdown, 1 if the server cannot
         start (address in use, store unreadable), 2 for bad arguments.
     """
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 2
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     bounds = {f.name for f in dataclasses.fields(ServerLimits)}
     stop = threading.Event()
