@@ -1,6 +1,7 @@
 """post_completion engines: the embedded toy transformer, a trained model
 through Hugging Face ``transformers`` (:class:`HFEngine`), and an OpenAI
-client."""
+client (:mod:`lmcache_mp.engine.http.openai`, the home of
+``OpenAICompletions`` and ``post_completion``)."""
 
 from lmcache_mp.engine._config import KV_DTYPES, EngineConfig
 from lmcache_mp.engine._embedded import EmbeddedEngine
@@ -9,7 +10,6 @@ from lmcache_mp.engine._hf_load import LoadedModel, ModelSource, load_model
 from lmcache_mp.engine._hf_load import resolve as resolve_model
 from lmcache_mp.engine._stats import EngineStats
 from lmcache_mp.engine._vocab import ToyVocab
-from lmcache_mp.engine.http.openai import OpenAICompletions, post_completion
 
 __all__ = [
     "KV_DTYPES",
@@ -19,9 +19,7 @@ __all__ = [
     "HFEngine",
     "LoadedModel",
     "ModelSource",
-    "OpenAICompletions",
     "ToyVocab",
     "load_model",
-    "post_completion",
     "resolve_model",
 ]

@@ -1,13 +1,8 @@
-"""The HTTP side of the engines: an OpenAI completions client (a
+"""The HTTP side of the engines, one public module each: an OpenAI
+completions client (:mod:`~lmcache_mp.engine.http.openai`: a
 ``post_completion`` for vLLM, and teacher-forced scoring through
 ``prompt_logprobs`` or ``echo``) and an OpenAI-compatible server that puts
 the toy engine or a trained model behind ``POST /v1/completions``
-(``python -m lmcache_mp.engine.http.server``)."""
+(:mod:`~lmcache_mp.engine.http.server`, ``lmcache-mp serve``)."""
 
-from lmcache_mp.engine.http.openai import (
-    OpenAICompletions,
-    post_completion,
-    served_models,
-)
-
-__all__ = ["OpenAICompletions", "post_completion", "served_models"]
+__all__: list[str] = []
