@@ -232,3 +232,34 @@ def test_snapkv_edits_what_the_engine_recorded() -> None:
         ]
         assert positions == sorted(set(positions))
         assert [tokens[i] for i in positions] == new_tokens
+
+
+class _Logged:
+    """A context that logs each store into a shared list, then stores."""
+
+    def __init__(self, ctx: KVStore, name: str, log: list[str]) -> None:
+        self._ctx, self._name, self._log = ctx, name, log
+        self.kind = ctx.kind
+        self.chunk_size = ctx.chunk_size
+
+    def retrieve(self, tokens: Any, cache_salt: str = "") -> Any:
+        return self._ctx.retrieve(tokens, cache_salt)
+
+    def store(self, kv: Any, tokens: Any, cache_salt: str = "") -> bool:
+        self._log.append(self._name)
+        return self._ctx.store(kv, tokens, cache_salt)
+
+
+def test_a_prefill_stores_its_queries_before_its_kv() -> None:
+    """Queries go in first, so a concurrent prefill that reuses this KV
+    also finds all its queries (it would otherwise record a shorter prefix
+    of them, which query-aware edits then refuse)."""
+    log: list[str] = []
+    with named_store() as (kv_ctx, q_ctx):
+        engine = EmbeddedEngine(
+            _Logged(kv_ctx, "kv", log),
+            EngineConfig(),
+            query_ctx=_Logged(q_ctx, "query", log),
+        )
+        list(engine(prompt_of(3 * CHUNK), ONE))
+    assert log == ["query", "kv"]

@@ -171,10 +171,12 @@ class EmbeddedEngine(CachingEngine):
             shape = (1, cfg.layers, len(prompt), cfg.width)
             queries = np.zeros(shape, dtype=cfg.kv_dtype)
         logits = seq.extend(prompt[reused:], None if queries is None else queries[0])
-        # As LMCache offloads after prefill: the context keeps full chunks.
-        self._ctx.store(seq.prefix(len(prompt)), prompt, salt)
+        # Queries first: a concurrent prefill that finds this KV finds its
+        # queries too, and never records a shorter prefix of them.
         if query_ctx is not None and queries is not None:
             record_queries(query_ctx, queries, prompt, reused, salt)
+        # As LMCache offloads after prefill: the context keeps full chunks.
+        self._ctx.store(seq.prefix(len(prompt)), prompt, salt)
         computed = len(prompt) - reused
         self._count(EngineStats(1, len(prompt), reused, computed, 0))
         sampler = Sampler(params)

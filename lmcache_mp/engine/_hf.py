@@ -248,10 +248,12 @@ class HFEngine(CachingEngine):
             reused = self._load_cached(cache, prompt, salt)
             with recording(self.layout[0]) as sink:
                 logits = _forward(model, prompt[reused:], reused, cache)
-            self._ctx.store(_cache_kv(cache, len(prompt)), prompt, salt)
+            # Queries first: a concurrent prefill that finds this KV finds
+            # its queries too, and never records a shorter prefix of them.
             if self._query_ctx is not None:
                 queries = _queries(sink, len(prompt), reused)
                 record_queries(self._query_ctx, queries, prompt, reused, salt)
+            self._ctx.store(_cache_kv(cache, len(prompt)), prompt, salt)
         self._count(EngineStats(1, len(prompt), reused, len(prompt) - reused, 0))
         eos = self.eos_token_ids
         sampler = Sampler(params)
