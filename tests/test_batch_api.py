@@ -102,6 +102,21 @@ def test_a_closed_batch_refuses_phases(batch: lmc_batch.LMCacheBatchedStream) ->
         batch.prefill({})
 
 
+def test_a_closed_batch_refuses_a_new_stream_naming_it(
+    batch: lmc_batch.LMCacheBatchedStream,
+) -> None:
+    """add() after close() raises naming the stream, and the stream is not
+    taken in (a closed batch pins nothing)."""
+    batch.close()
+    ctx = InMemoryKV(4)
+    stream = lmc_stream.create_request(ctx, FakeEngine(ctx), [7, 8, 9])
+    with pytest.raises(
+        LMCacheBatchedStreamError, match=f"closed.*{stream.stream_id()}"
+    ):
+        batch.add(stream)
+    assert stream.stream_id() not in batch.streams
+
+
 def test_modify_needs_a_callable(batch: lmc_batch.LMCacheBatchedStream) -> None:
     """modify() with a non-callable fn is a TypeError before anything runs."""
     with pytest.raises(TypeError, match="callable"):

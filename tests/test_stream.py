@@ -191,8 +191,21 @@ def test_modify_figures_split_the_time_into_retrieve_fn_and_store(
         (lambda k, t: (None, t), "expected an array"),
         (lambda k, t: k, "expected a tuple"),
         (lambda k, t: (k, [*t[:-1], -1]), "token ids are >= 0"),
+        (lambda k, t: (k, None), "new_tokens is NoneType, expected a sequence"),
+        (lambda k, t: (k, "abcdefgh"), "new_tokens is str, expected a sequence"),
+        (lambda k, t: (k[:, :, :0], []), "the edit returned no tokens"),
     ],
-    ids=["token-axis", "3-d", "first-axis", "none", "not-a-tuple", "negative-token"],
+    ids=[
+        "token-axis",
+        "3-d",
+        "first-axis",
+        "none",
+        "not-a-tuple",
+        "negative-token",
+        "tokens-none",
+        "tokens-string",
+        "no-tokens",
+    ],
 )
 def test_bad_fn_results_are_rejected_and_change_nothing(
     kv: InMemoryKV, engine: FakeEngine, result: Any, needle: str

@@ -38,7 +38,8 @@ def check_edit(
 
     Raises:
         StreamInputError: If it is not a 4-D ``[planes, L, T, D]`` array with
-            ``T == len(tokens)``, or the tokens are not token ids.
+            ``T == len(tokens)``, the tokens are not token ids, or there are
+            none.
         CacheKindError: If a mapping holds another kind.
     """
     try:
@@ -48,6 +49,12 @@ def check_edit(
             f"stream {sid}: the new {kind.name}: {exc}", sid
         ) from exc
     toks = check_tokens(tokens, sid, "new_tokens")
+    if not toks:
+        # A stream with no tokens has no chunk to cache: every later modify
+        # would wait for KV that can never be stored.
+        raise StreamInputError(
+            f"stream {sid}: the edit returned no tokens; keep at least one", sid
+        )
     if arr.ndim != 4 or arr.shape[0] != kind.planes:
         raise StreamInputError(
             f"stream {sid}: the new {kind.name} has shape {arr.shape}, "

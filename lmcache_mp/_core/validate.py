@@ -17,7 +17,18 @@ _TOKEN_LIMIT = 2**63
 
 
 def check_tokens(tokens: Iterable[Any], stream_id: str, what: str) -> list[int]:
-    """Return ``tokens`` as a list of ints, or raise naming the bad one."""
+    """Return ``tokens`` as a list of ints, or raise naming the bad one.
+
+    Raises:
+        StreamInputError: If ``tokens`` is not a sequence of token ids (a
+            string, ``None`` or any other non-iterable included).
+    """
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+        raise StreamInputError(
+            f"stream {stream_id}: {what} is {type(tokens).__name__}, expected "
+            "a sequence of token ids",
+            stream_id,
+        )
     out: list[int] = []
     for i, tok in enumerate(tokens):
         # bool is an int subclass but never a token id; numpy ints are fine.

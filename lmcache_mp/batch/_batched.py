@@ -231,10 +231,16 @@ class LMCacheBatchedStream:
             stream: The stream to add.
 
         Raises:
-            LMCacheBatchedStreamError: If a stream with that id is in the
-                batch, or ``stream`` is not a stream (``LMCacheStream`` or
-                ``LMCacheRequestStream``).
+            LMCacheBatchedStreamError: If the batch is closed, a stream with
+                that id is in the batch, or ``stream`` is not a stream
+                (``LMCacheStream`` or ``LMCacheRequestStream``).
         """
+        if self._closed:
+            raise LMCacheBatchedStreamError(
+                f"the batch is closed: cannot add stream {stream._stream_id}"
+                if isinstance(stream, StreamBase)
+                else "the batch is closed"
+            )
         if not isinstance(stream, StreamBase):
             raise LMCacheBatchedStreamError(
                 "add() takes an LMCacheStream or LMCacheRequestStream, got "
