@@ -15,7 +15,9 @@ import pickle
 import shutil
 import stat
 import struct
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -159,6 +161,27 @@ def test_symlinked_chunk_is_never_followed(
     with pytest.warns(CorruptChunkWarning, match="symlink"):
         assert ctx.retrieve(TOKENS) is None
     assert outside.exists() and not os.path.lexists(first)
+
+
+def test_a_fifo_at_a_chunks_name_never_blocks_a_retrieve(
+    ctx: SharedMemoryKVStore,
+) -> None:
+    """A FIFO planted at a chunk's name (no writer: opening it for reading
+    would block forever) is a corrupt miss, read past at once."""
+    ctx.store(kv_of(TOKENS), TOKENS)
+    second = _chunk_path(ctx, 1)
+    os.unlink(second)
+    os.mkfifo(second, 0o600)
+    got: list[Any] = []
+    with pytest.warns(CorruptChunkWarning, match="expected"):
+        # A daemon thread: were the open to block, the test fails, not hangs.
+        reader = threading.Thread(
+            target=lambda: got.append(ctx.retrieve(TOKENS)), daemon=True
+        )
+        reader.start()
+        reader.join(timeout=30)
+    assert not reader.is_alive(), "retrieve blocked on the FIFO"
+    assert got[0] is not None and got[0].shape[2] == C
 
 
 def test_chunk_with_crafted_payload_is_rejected(any_ctx: KVStore) -> None:

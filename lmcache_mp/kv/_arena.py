@@ -233,7 +233,8 @@ def _map_all(dir_fd: int, names: list[str], size: int) -> dict[_FileId, mmap.mma
     """Map each of ``names`` that is a regular file of ``size`` bytes of
     this user, its page tables built now (``MAP_POPULATE``)."""
     maps: dict[_FileId, mmap.mmap] = {}
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    # Non-blocking: a FIFO at a chunk's name must not hang the mapping.
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     for name in names:
         try:
             fd = os.open(name, flags, dir_fd=dir_fd)

@@ -502,13 +502,15 @@ def _copy_out(mapped: mmap.mmap, out: list[memoryview]) -> tuple[bytes, BlockSum
 
 
 def _open_chunk(dir_fd: int, name: str) -> int:
-    """Open a chunk file for reading, never through a symlink.
+    """Open a chunk file for reading, never through a symlink, and never
+    blocking: a FIFO or device planted at a chunk's name opens at once
+    (``O_NONBLOCK``) and is then refused as not a regular file.
 
     Raises:
         FileNotFoundError: If there is no such chunk.
         CorruptChunk: If a symlink stands there (it is removed).
     """
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
         return os.open(name, flags, dir_fd=dir_fd)
     except OSError as exc:

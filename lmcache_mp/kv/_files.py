@@ -208,7 +208,8 @@ def punch(dir_fd: int, name: str) -> None:
     if _MADV_REMOVE is None:
         return
     with contextlib.suppress(OSError, ValueError):
-        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        fd = os.open(name, flags, dir_fd=dir_fd)
         try:
             st = os.fstat(fd)
             if stat.S_ISREG(st.st_mode) and st.st_size and st.st_nlink == 1:
@@ -456,7 +457,7 @@ def claim(dir_fd: int, free: list[str], size: int) -> tuple[str, int] | None:
             os.rename(free.pop(), tmp, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except FileNotFoundError:
             continue  # another writer claimed it
-        flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+        flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
         try:
             fd = os.open(tmp, flags, dir_fd=dir_fd)
         except OSError:
@@ -555,7 +556,8 @@ def _owner_of(pin: str) -> tuple[int, int] | None:
 
 def _read(dir_fd: int, pin: str) -> set[str]:
     try:
-        fd = os.open(pin, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        fd = os.open(pin, flags, dir_fd=dir_fd)
     except FileNotFoundError:
         return set()
     with os.fdopen(fd, "r") as fh:

@@ -166,7 +166,8 @@ def load_layout(dir_fd: int, where: str) -> Layout | None:
         KVStoreError: If the layout file is unreadable or malformed.
     """
     try:
-        fd = os.open(LAYOUT_FILE, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        fd = os.open(LAYOUT_FILE, flags, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
     except OSError as exc:
