@@ -32,6 +32,7 @@ __all__ = [
     "LMCachePicklingError",
     "LMCacheStreamError",
     "ModelLoadError",
+    "NoFullChunkError",
     "PhaseTimeoutError",
     "RemoteTraceback",
     "SamplingParamsError",
@@ -274,6 +275,16 @@ class KVCapacityError(KVStoreError):
             type(self),
             (str(self), self.stream_id, self.asked, self.pinned, self.allowed),
         )
+
+
+class NoFullChunkError(LMCacheStreamError, LookupError):
+    """Raised at once by a stream's retrieve (``retrieve_kv``, a modify)
+    when its tokens are fewer than the context's ``chunk_size``.
+
+    A store keeps only full chunks (as LMCache does), so no KV of such a
+    stream can ever be cached, and polling for it would only wait out
+    ``timeout``. Prefill a longer prompt, or use a smaller chunk size.
+    """
 
 
 class KVEvictedError(LMCacheStreamError, LookupError):

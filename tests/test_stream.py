@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import lmcache_mp.stream as lmc_stream
-from lmcache_mp.errors import LMCacheStreamError, StreamInputError
+from lmcache_mp.errors import LMCacheStreamError, NoFullChunkError, StreamInputError
 from lmcache_mp.stream import StreamState, TokenEvent
 from tests._fakes import FakeEngine, InMemoryKV, kv_for
 
@@ -105,6 +105,21 @@ def test_retrieve_times_out_with_an_error_naming_the_stream(
     with pytest.raises(LMCacheStreamError, match=s.stream_id()) as info:
         s.retrieve_kv(timeout=0.05, poll_interval=0.01)
     assert info.value.stream_id == s.stream_id()
+
+
+def test_a_stream_shorter_than_a_chunk_fails_its_retrieve_at_once(
+    kv: InMemoryKV, engine: FakeEngine
+) -> None:
+    """Fewer tokens than chunk_size can never be cached: retrieve_kv() (and
+    so a modify) raises NoFullChunkError naming the stream without waiting
+    out its timeout."""
+    s = lmc_stream.create_request(kv, engine, [1, 2])
+    s.generate({"max_tokens": 1})
+    assert len(s.state.tokens) < kv.chunk_size
+    started = time.monotonic()
+    with pytest.raises(NoFullChunkError, match=f"{s.stream_id()}.*chunk_size 4"):
+        s.modify_kv(lambda k, t: (k, t), timeout=60)
+    assert time.monotonic() - started < 30
 
 
 def test_modify_carries_the_uncached_tail_into_the_suffix(

@@ -43,6 +43,7 @@ from lmcache_mp.errors import (
     KVConfigError,
     KVEvictedError,
     LMCacheStreamError,
+    NoFullChunkError,
     StreamInputError,
 )
 from lmcache_mp.kv import KVContext, pinning
@@ -280,6 +281,8 @@ class StreamBase:
         Raises:
             KVEvictedError: At once, if the store evicted the KV (it polls
                 only while the KV may still arrive).
+            NoFullChunkError: At once, if ``tokens`` are fewer than the
+                context's ``chunk_size`` (no chunk of them can be cached).
             LMCacheStreamError: If nothing is cached within ``timeout``.
         """
         return self._retrieve(KV, timeout, poll_interval)
@@ -289,6 +292,13 @@ class StreamBase:
     ) -> npt.NDArray[Any]:
         """:meth:`retrieve_kv` for the context of ``kind``."""
         ctx = self._context(kind)
+        if len(self._state.tokens) < ctx.chunk_size:
+            raise NoFullChunkError(
+                f"stream {self._stream_id}: its {len(self._state.tokens)} tokens "
+                f"are fewer than chunk_size {ctx.chunk_size}: no {kind.name} of "
+                "them can be cached, so there is nothing to retrieve",
+                self._stream_id,
+            )
         deadline = time.monotonic() + timeout
         while True:
             kv = ctx.retrieve(self._state.tokens, self.cache_salt)
