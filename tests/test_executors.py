@@ -17,9 +17,13 @@ from threadpoolctl import threadpool_info
 import lmcache_mp.batch as lmc_batch
 import lmcache_mp.batch._memory
 import lmcache_mp.stream as lmc_stream
-from lmcache_mp.errors import LMCacheBatchedStreamError, PhaseTimeoutError
+from lmcache_mp.errors import (
+    LMCacheBatchedStreamError,
+    LMCacheStreamError,
+    PhaseTimeoutError,
+)
 from lmcache_mp.executors import physical_cores
-from lmcache_mp.kv import SharedMemoryKVStore
+from lmcache_mp.kv import SharedMemoryKVStore, connect
 from tests._fakes import FakeEngine, InMemoryKV
 from tests._scripts import all_gone, prefilled_batch_script
 
@@ -69,6 +73,40 @@ def test_thread_timeout_fails_the_slow_stream_and_discards_its_late_result() -> 
     assert isinstance(info.value.failures[slow], PhaseTimeoutError)
     time.sleep(1.5)
     assert batch.streams[slow].state == before
+
+
+def exits_on_first(kv: np.ndarray, tokens: list[int]) -> tuple[np.ndarray, list[int]]:
+    """sys.exit(3) for the stream whose tokens start at 0, KeyboardInterrupt
+    for the one at 1; keeps the first chunk of every other stream."""
+    if tokens[0] == 0:
+        sys.exit(3)
+    if tokens[0] == 1:
+        raise KeyboardInterrupt
+    return kv[:, :, :4], tokens[:4]
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_sys_exit_or_keyboardinterrupt_in_a_fn_fails_only_its_stream(
+    executor: str,
+) -> None:
+    """A fn's own SystemExit or KeyboardInterrupt fails its stream with an
+    LMCacheStreamError caused by it; the phase goes on and the other stream
+    commits its edit, on threads as in a worker process."""
+    ctx = connect(chunk_size=4)
+    try:
+        with _filled(executor, ctx) as batch:
+            by_first = {s.tokens[0]: sid for sid, s in batch.streams.items()}
+            with pytest.raises(LMCacheBatchedStreamError) as info:
+                batch.modify(exits_on_first)
+            failures = info.value.failures
+            assert sorted(failures) == sorted([by_first[0], by_first[1]])
+            for first, cause in ((0, "SystemExit"), (1, "KeyboardInterrupt")):
+                error = failures[by_first[first]]
+                assert isinstance(error, LMCacheStreamError)
+                assert cause in str(error) and by_first[first] in str(error)
+            assert batch.streams[by_first[2]].tokens == [2, 3, 4, 5]
+    finally:
+        ctx.destroy()
 
 
 def test_serial_timeout_fails_the_streams_not_started() -> None:

@@ -202,9 +202,25 @@ def _run_stream(spec: PhaseSpec, job: StreamJob, remote: bool) -> StreamOutcome:
         return StreamOutcome(
             job.stream_id, state=stream.state, modify=modify, staged=staged
         )
-    except Exception as exc:
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:
+        # A fn's own sys.exit() or KeyboardInterrupt fails its stream only,
+        # on a thread as in a worker process: the caller's Ctrl-C is
+        # delivered to its main thread, which stops the phase itself.
+        error = exc if isinstance(exc, Exception) else _exited(job.stream_id, exc)
         tb = "".join(traceback.format_exception(exc)) if remote else None
-        return StreamOutcome(job.stream_id, error=exc, traceback=tb)
+        return StreamOutcome(job.stream_id, error=error, traceback=tb)
+
+
+def _exited(sid: str, exc: BaseException) -> LMCacheStreamError:
+    """The stream error for a ``SystemExit``/``KeyboardInterrupt`` its work
+    raised, with that exception as its cause."""
+    error = LMCacheStreamError(
+        f"stream {sid}: its work raised {type(exc).__name__}({exc}); the "
+        "stream fails, the other streams of the phase run on",
+        sid,
+    )
+    error.__cause__ = exc
+    return error
 
 
 def _dump_outcome(outcome: StreamOutcome) -> bytes:
