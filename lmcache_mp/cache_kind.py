@@ -16,7 +16,7 @@ class LMCacheSDKCacheKind(enum.Enum):
     ``KV`` is the keys and values, ``[2, L, T, D]``; ``QUERY`` the queries
     of the same tokens, ``[1, L, T, Dq]`` (what query-aware compression
     such as SnapKV scores keys with). A store keeps each kind in its own
-    namespace, with the same chunk semantics (issue #11).
+    namespace, with the same chunk semantics.
     """
 
     KV = "kv"

@@ -80,7 +80,7 @@ class StreamInputError(LMCacheStreamError, ValueError):
 
 class CacheKindError(StreamInputError, KeyError):
     """Raised when a stream lacks the context of a cache kind an operation
-    needs, or is given a kind it does not know (issue #11).
+    needs, or is given a kind it does not know.
 
     Examples: ``retrieve(kind=QUERY)`` on a stream with only a KV context;
     a context whose ``.kind`` is not an ``LMCacheSDKCacheKind``; the
@@ -238,7 +238,7 @@ class KVStoreAuthError(KVStoreConnectionError, KVStoreSecurityError):
 
 class KVCapacityError(KVStoreError):
     """Raised at once by a store call whose new chunks do not fit the store
-    even after evicting every chunk it may evict (issue #20).
+    even after evicting every chunk it may evict.
 
     The KV of the member streams of open batches is pinned and never
     evicted; what cannot fit besides it is refused whole (no chunk of the
@@ -289,7 +289,7 @@ class NoFullChunkError(LMCacheStreamError, LookupError):
 
 class KVEvictedError(LMCacheStreamError, LookupError):
     """Raised at once by a stream's retrieve (``retrieve_kv``, a modify)
-    when the store has evicted a chunk of its cached prefix (issue #20).
+    when the store has evicted a chunk of its cached prefix.
 
     Polling for it would never succeed: the KV was there and is gone, so
     the stream fails without waiting ``timeout``. Within an open batch the

@@ -4,7 +4,7 @@ A modify fn that runs Python bytecode per token holds the GIL: threads run
 one stream at a time and only processes use every core. A fn that spends
 its time in numpy, BLAS or I/O releases it: threads use the cores too and
 avoid the process round trip. ``"auto"`` measures this on the first stream
-when it is not told (issue #12); a hint skips the measurement.
+when it is not told; a hint skips the measurement.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Upstream 0.5.6 keys a stream's contexts and a modify fn's tensors by
 ``LMCacheSDKCacheKind``. Kinds are compared by value here, so upstream's
 own enum members (``lmcache.sdk.cache_kind``, as a real LMCache context's
-``.kind`` is) and lmcache_mp's are the same kind (issue #11).
+``.kind`` is) and lmcache_mp's are the same kind.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def by_kind(
 
     Returns:
         ``{kind: context}``; it may lack KV, or be empty: upstream 0.5.6
-        accepts a stream that only generates (issue #19), and only a
+        accepts a stream that only generates, and only a
         retrieve or modify of a missing kind fails.
 
     Raises:

@@ -82,7 +82,7 @@ class StreamJob:
         kinds: Whether its modify fn takes ``{kind: tensor}`` (0.5.6).
         measure: Run it under a GIL watch and send the figures back in
             ``StreamOutcome.probe`` (the stream ``executor="auto"``
-            measures, wherever it runs: issue #20).
+            measures, wherever it runs).
     """
 
     stream_id: str
@@ -178,7 +178,7 @@ def build_phase(
 
 
 def check_stores(spec: PhaseSpec, jobs: list[StreamJob]) -> None:
-    """Fail fast when a networked store is down (issue #10): ping each
+    """Fail fast when a networked store is down: ping each
     context that can be pinged before any stream runs, so that a Redis that
     is down or refuses the password is one clear error, not one timeout per
     stream on every worker.

@@ -136,7 +136,7 @@ class StreamState:
         done: Whether the last call stopped before ``max_tokens`` (EOS).
         pin: The open batch that pins the stream's KV in its stores, or
             ``None``; the stores it writes in a phase pin what they write
-            to it (issue #20).
+            to it.
     """
 
     tokens: list[int]

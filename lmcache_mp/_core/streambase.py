@@ -161,7 +161,7 @@ class StreamBase:
         Raises:
             StreamInputError: If ``max_tokens`` or ``suffix_tokens`` is bad.
             KVCapacityError: If the engine stores the KV in a store it does
-                not fit (issue #20); the stream's state is then unchanged.
+                not fit; the stream's state is then unchanged.
             LMCacheStreamError: If ``post_completion`` fails or yields
                 something that is not a token event; the stream's state is
                 then unchanged.
@@ -318,7 +318,7 @@ class StreamBase:
         self, ctx: KVContext, kind: LMCacheSDKCacheKind, cached: int
     ) -> None:
         """Fail at once when the chunk after the ``cached`` tokens a retrieve
-        found was evicted: waiting would not bring it back (issue #20)."""
+        found was evicted: waiting would not bring it back."""
         if cached + ctx.chunk_size > len(self._state.tokens):
             return
         was_evicted = getattr(ctx, "was_evicted", None)
@@ -426,7 +426,7 @@ class StreamBase:
             timeout: Seconds to wait for the cached KV to appear.
             poll_interval: Seconds between retrieve attempts.
             array: What ``fn`` is handed: ``"numpy"`` arrays or ``"torch"``
-                CPU tensors sharing their memory (issue #11); it may return
+                CPU tensors sharing their memory; it may return
                 either. Default: numpy, and torch for a 0.5.6-API stream
                 where torch is installed (upstream's tensors are torch).
 
@@ -489,7 +489,7 @@ class StreamBase:
         # Only a same-token edit overwrites, and a batch stages it: any other
         # edit leaves the chunks of the previous state intact, so a worker
         # dying before the batch commits leaves the stream fully unmodified
-        # (issue #6).
+        # .
         staged = self._write(new_kv, toks, replace=toks == given, stage=stage)
         s = self._state
         self._state = dataclasses.replace(

@@ -77,7 +77,7 @@ def fn_array(name: str | None, kinds: bool) -> str:
     Args:
         name: ``"numpy"``, ``"torch"``, or ``None`` for the stream's default.
         kinds: Whether the stream is of upstream 0.5.6's API, whose fns
-            take torch tensors (issue #11: its notebooks run unchanged).
+            take torch tensors (its notebooks run unchanged).
 
     Returns:
         ``name``, or by default ``"torch"`` for a 0.5.6-API stream where

@@ -1,7 +1,7 @@
 """How much a block of code holds the GIL, and how long it waited for a core.
 
 What ``executor="auto"`` measures of a modify stream to weigh threads
-against processes (issues #12, #20); a leaf helper, so that a worker can
+against processes; a leaf helper, so that a worker can
 measure the stream it runs as well as the caller can.
 """
 
@@ -20,7 +20,7 @@ __all__ = ["GilProbe", "GilWatch", "queued_s"]
 class GilProbe:
     """What a :class:`GilWatch` measured of a block: plain, picklable
     figures, so that a worker can send back the measurement of the stream
-    it ran (issue #20).
+    it ran.
 
     Args:
         wall_s: Seconds the block took.
@@ -38,7 +38,7 @@ class GilProbe:
     @property
     def cpu(self) -> float:
         """CPU share of the wall time, in ``[0, 1]``; time queued for a
-        core counts as CPU the block needed (issue #20)."""
+        core counts as CPU the block needed."""
         if self.wall_s <= 0.0:
             return 1.0
         return min(1.0, (self.cpu_s + self.queued_s) / self.wall_s)
@@ -74,7 +74,7 @@ class GilWatch:
     released.
 
     On a machine busy with other processes the watched thread also waits
-    for a core (issue #20: load 5 on 2 cores); where Linux reports that
+    for a core (load 5 on 2 cores); where Linux reports that
     wait (``/proc/thread-self/schedstat``) it is ``queued_s``: CPU the
     block wanted but did not get, not a wait that threads would overlap.
     (Taking the watcher's own core waits out of its delays was tried: it

@@ -56,16 +56,16 @@ class LMCacheBatchedStream:
             modify (default: as many as fit in half the available memory).
         phase_timeout: Default time limit of a phase in seconds
             (``None``: no limit). ``timeout`` is upstream's name for how
-            long a modify waits for each stream's KV (issue #19).
+            long a modify waits for each stream's KV.
         array: What modify fns are handed: ``"numpy"`` arrays or
             ``"torch"`` CPU tensors sharing their memory, so that torch fns
-            run unchanged (issue #11); a fn may return either. Default:
+            run unchanged; a fn may return either. Default:
             numpy for :mod:`lmcache_mp.stream` streams, torch (where
             installed) for :mod:`lmcache_mp.request` ones, as upstream
             0.5.6 hands its fns torch tensors.
         pin_lease: Seconds the member streams' KV stays pinned in a store
             that expires pins (Redis) if the batch stops renewing them (its
-            process died); each phase renews them (issue #20).
+            process died); each phase renews them.
 
     Upstream 0.5.6's names (``request_streams``, ``get_request_stream``,
     ``run_request_streams``, ``modify_request_streams``) are the same
@@ -113,7 +113,7 @@ class LMCacheBatchedStream:
         self._lock = threading.Lock()
         self._closed = False
         # The member streams' KV is pinned in their stores under this owner
-        # until the batch closes (issue #20).
+        # until the batch closes.
         self._pins = PinOwner.new(pin_lease)
         self._pinned: dict[int, Any] = {}
         # Stops the workers and releases the pins when an unclosed batch is
@@ -459,8 +459,7 @@ class LMCacheBatchedStream:
             width: Width for the terminal formatter.
             stream_ids: Streams to modify; ``None`` means all.
             timeout: Seconds each stream waits for its cached KV, as in
-                upstream 0.5.6's ``modify`` and every ``modify_*`` (issue
-                #19).
+                upstream 0.5.6's ``modify`` and every ``modify_*``.
             poll_interval: Seconds between retrieve attempts.
             phase_timeout: Time limit of the phase in seconds (default:
                 the batch's).
@@ -582,7 +581,7 @@ class LMCacheBatchedStream:
 
     def close(self) -> None:
         """Stop the executor's workers (not a caller-owned executor's) and
-        release the pins on the member streams' KV (issue #20)."""
+        release the pins on the member streams' KV."""
         self._closed = True
         self._finalizer()
 

@@ -22,7 +22,7 @@ def modify_bound(streams: Sequence[StreamBase]) -> int | None:
     """Return how many of ``streams`` may hold their KV in memory at once.
 
     Each edit holds about three copies of its stream's KV; together they may
-    use half the available memory (issue #4). A context that does not say
+    use half the available memory. A context that does not say
     its ``layout`` (layers, width, dtype) gives no bound.
 
     Args:

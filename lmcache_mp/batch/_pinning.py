@@ -1,4 +1,4 @@
-"""A batch's pins on its member streams' KV (issue #20): taken when a stream
+"""A batch's pins on its member streams' KV: taken when a stream
 joins and after each phase, released when the batch closes."""
 
 from __future__ import annotations

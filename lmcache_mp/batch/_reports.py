@@ -191,7 +191,7 @@ def modify_report(
         "Max Per-Stream Modify (ms)",
         max(times, default=0.0) * 1000.0,
     )
-    # Where a stream's time goes (issue #12): the store's share is the
+    # Where a stream's time goes: the store's share is the
     # fixed cost every executor pays; the fn's is the work.
     for key, label in (("retrieve", "Retrieve"), ("fn", "Fn"), ("store", "Store")):
         parts = [getattr(f, f"{key}_s") for f in figures]

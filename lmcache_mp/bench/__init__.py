@@ -1,6 +1,6 @@
 """The benchmark behind ``lmcache-mp bench``: executors side by side; and
 ``lmcache-mp eval`` (:func:`evaluate`): what each edit keeps of a model's
-output at each budget, beside its modify time (issue #21).
+output at each budget, beside its modify time.
 
 For each executor asked for (``serial``, ``thread``, ``process``), on the
 same prompts and the same model, one run does what a user of the SDK does:

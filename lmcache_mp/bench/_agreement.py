@@ -1,5 +1,5 @@
 """How close an edited run's next-token distributions are to the
-uncompressed run's, over the same teacher-forced continuation (issue #21).
+uncompressed run's, over the same teacher-forced continuation.
 
 The uncompressed run's greedy continuation of each prompt is the reference;
 after an edit, the engine scores that continuation after the edited cache

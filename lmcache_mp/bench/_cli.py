@@ -166,8 +166,7 @@ def add_bench_parser(
         choices=sorted(SHAPES),
         default=None,
         help="a real model's KV shape: sets --layers, --kv-heads, --head-dim and "
-        "--dtype (flags given beside it win) and runs the synthetic engine "
-        "(issue #20)",
+        "--dtype (flags given beside it win) and runs the synthetic engine",
     )
     model.add_argument(
         "--engine",

@@ -5,7 +5,7 @@ prompt_tokens, width]``, random values from ``seed``) in a fresh embedded
 store per repeat, so every repeat writes its chunks anew; only the modify
 call is timed (pools and runtimes start before). The runners are
 lmcache_mp's executors and the peers of :mod:`lmcache_mp.bench._peers`,
-one after the other, each with the machine to itself (issue #12).
+one after the other, each with the machine to itself.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def pool_starts(preload: Sequence[str] = ("lmcache_mp.edits",)) -> dict[str, flo
     """Time a forkserver pool's start for a first batch and for the next one.
 
     The forkserver process outlives the first pool and holds the preloaded
-    modules, so a later batch's workers fork from it ready to run (issue
-    #12: goal <= 0.1 s). Run before any other forkserver pool starts.
+    modules, so a later batch's workers fork from it ready to run. Run
+    before any other forkserver pool starts.
 
     Args:
         preload: Modules the workers preload.

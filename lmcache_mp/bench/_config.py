@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 #: ``auto`` on an unhinted copy of the edit: the GIL measurement and cost
-#: model at work, where the ready-made edits' hints skip them (issue #20).
+#: model at work, where the ready-made edits' hints skip them.
 AUTO_UNHINTED = "auto-unhinted"
 #: Executors the bench can run: the library's names and the engines.
 BENCH_EXECUTORS = (*EXECUTOR_NAMES, AUTO_UNHINTED, "dask", "ray")
@@ -64,7 +64,7 @@ SYNTHETIC = "synthetic"
 #: The engines named by a keyword; any other ``engine`` is a trained model
 #: that :meth:`HFEngine.from_pretrained` loads.
 BENCH_ENGINES = (TOY, SYNTHETIC)
-#: The default engine (issue #21): SmolLM2-135M, a trained model, so that
+#: The default engine: SmolLM2-135M, a trained model, so that
 #: the main job shows what an edit keeps of a real model's output.
 DEFAULT_MODEL = "smollm2-135m"
 #: KV dtypes: the toy engine's, and bfloat16 for the others.
@@ -72,7 +72,7 @@ BENCH_DTYPES = (*KV_DTYPES, "bfloat16")
 #: Edits the bench runs: :data:`~lmcache_mp.edits.EDITS`, and the
 #: :data:`~lmcache_mp.edits.KIND_EDITS`, whose streams get a QUERY context.
 BENCH_EDITS = tuple(sorted({*EDITS, *KIND_EDITS}))
-#: The methods of issue #21, sized by ``keep`` and given the toy model's
+#: The published KV-compression methods, sized by ``keep`` and given the toy model's
 #: attention (heads; streamingllm rerotates).
 _METHODS = ("h2o", "keydiff", "knorm", "rkv", "snapkv", "streamingllm", "tova")
 #: Edits that drop tokens, to which ``keep`` applies.
@@ -85,8 +85,8 @@ DEFAULT_KEEP = 0.5
 _WINDOW_SINKS = 4
 #: Most tokens a scored drop protects at each end (the edits' default).
 _MAX_PROTECTED = 256
-#: Passes of the pyscore loop: ~0.4 s per 1,024-token stream on one core
-#: here, the size of issue #12's GIL-bound row.
+#: Passes of the pyscore loop: enough that the GIL-bound edit, not the
+#: phase's overhead, dominates a 1,024-token stream's modify.
 _PYSCORE_WORK = 96
 #: Smallest prompt a ``prompt-tokens`` sweep starts from.
 _SWEEP_MIN_PROMPT = 256
@@ -141,7 +141,7 @@ class BenchConfig:
             temporary shared-memory store per run.
         arena_bytes: Bytes of chunk files each run's shared-memory store
             writes before the phases, for its writes to fill
-            (``connect(arena_bytes=...)``, issue #20); 0: none. ``None``:
+            (``connect(arena_bytes=...)``); 0: none. ``None``:
             sized to the run (:meth:`run_arena_bytes`).
         scheduler: Dask scheduler address for ``dask`` (``None``: a local
             cluster per run, one worker per ``workers``).
@@ -162,9 +162,9 @@ class BenchConfig:
     """
 
     # Sized so that the default run on the trained model takes about two
-    # minutes on 2 cores (issue #21), its prefill ~11 s per executor, and
+    # minutes on 2 cores, its prefill ~11 s per executor, and
     # spends its modify in the GIL-bound edit, the phase the library exists
-    # for (issue #12).
+    # for.
     executors: tuple[str, ...] = ("thread", "process")
     streams: int = 4
     prompt_tokens: int = 512
@@ -274,7 +274,7 @@ class BenchConfig:
     @property
     def runs(self) -> tuple[str, ...]:
         """The executors run, in order: ``executors``, with ``auto-unhinted``
-        right after ``auto`` when not named (issue #20: auto is judged on
+        right after ``auto`` when not named (auto is judged on
         fns without a hint too, which the ready-made edits are not)."""
         names: list[str] = []
         for name in self.executors:
@@ -333,10 +333,9 @@ class BenchConfig:
         ``arena_bytes`` when given. Otherwise, for the temporary
         shared-memory store, the chunk files the run writes: every
         prompt's full chunks and those of what ``edit`` keeps of it
-        (:meth:`kept_fraction`; issue #20: into
-        pages written ahead, a stride edit moved KV at 0.40x memcpy,
-        against 0.21x into new pages in the same hour; an arena beyond what
-        the run writes only adds memory), no more than half of
+        (:meth:`kept_fraction`: writing into pages written ahead is far
+        faster than into new pages, and an arena beyond what the run writes
+        only adds memory; see docs/benchmarks/), no more than half of
         ``capacity`` (the store's own capacity, read again as it connects,
         may come out a little lower, and other stores share the
         filesystem); for a store given by URL, none.
@@ -422,7 +421,7 @@ class BenchConfig:
         )
 
     def attention(self) -> AttentionConfig:
-        """The attention the methods of issue #21 are given: the trained
+        """The attention the published methods are given: the trained
         model's heads and RoPE, else the toy model's."""
         if self.is_model:
             return self.model().attention

@@ -1,5 +1,5 @@
 """The bench's distributed executors and stores: what ``--executors
-dask,ray``, ``--scheduler`` and ``--store`` open for one run (issue #10).
+dask,ray``, ``--scheduler`` and ``--store`` open for one run.
 
 Without ``--scheduler``, ``dask`` starts a local cluster on 127.0.0.1 for
 the run (one single-threaded worker process per worker), so that the

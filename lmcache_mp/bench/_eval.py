@@ -1,5 +1,5 @@
 """``lmcache-mp eval``: what each edit keeps of a model's output, at each
-budget, beside its modify time (issue #21).
+budget, beside its modify time.
 
 The uncompressed batch runs once: each document's greedy continuation is
 the reference, scored teacher-forced (``engine.score``) for its next-token

@@ -1,4 +1,4 @@
-"""``lmcache-mp eval``: its arguments, and running it from them (issue #21)."""
+"""``lmcache-mp eval``: its arguments, and running it from them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What ``lmcache-mp eval`` runs: its configuration (issue #21)."""
+"""What ``lmcache-mp eval`` runs: its configuration."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from lmcache_mp.edits import EDITS, KIND_EDITS
 
 __all__ = ["EVAL_EDITS", "EVAL_EXECUTORS", "EvalConfig"]
 
-#: The edits ``lmcache-mp eval`` compares by default: the methods of
-#: issue #21, every one sized by ``keep``.
+#: The edits ``lmcache-mp eval`` compares by default: the published
+#: methods, every one sized by ``keep``.
 EVAL_EDITS = (
     "random",
     "window",

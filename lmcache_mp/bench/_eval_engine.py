@@ -1,5 +1,5 @@
 """The engines ``lmcache-mp eval`` scores edits on: a trained model through
-``transformers``, the toy model, or either served over HTTP (issue #21)."""
+``transformers``, the toy model, or either served over HTTP."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The eval's prompts, shipped with the project (no data set download):
-prose documents to continue, and passkey haystacks (issue #21)."""
+prose documents to continue, and passkey haystacks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``lmcache-mp eval``'s result: the table, the JSON and the plot (issue #21)."""
+"""``lmcache-mp eval``'s result: the table, the JSON and the plot."""
 
 from __future__ import annotations
 

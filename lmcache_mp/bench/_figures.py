@@ -118,7 +118,7 @@ def _phase_values(
         kv_in = fig.metric("results", "kv_bytes_in") or 0
         values["kv_bytes"] = kv_in + (fig.metric("results", "kv_bytes_out") or 0)
         # KV moved per second of the phase, against one core's memcpy
-        # measured in the same run (issue #20: how far from memory speed).
+        # measured in the same run (how far from memory speed).
         values["kv_gb_s"] = _ratio(values["kv_bytes"], fig.wall_s * 1e9)
         values["kv_vs_memcpy"] = _ratio(values["kv_gb_s"], memcpy_gb_s)
         values["throughput_tok_s"] = _ratio(values["tokens_before"], fig.wall_s)

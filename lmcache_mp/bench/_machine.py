@@ -109,7 +109,7 @@ def references() -> dict[str, float]:
     """
     src = np.ones(_REF_BYTES, np.uint8)
     # Touched before timing: a first write into fresh pages pays the page
-    # faults (issue #20 measured them), which is not the copy's speed.
+    # faults, which is not the copy's speed.
     dst = np.zeros_like(src)
     dst.fill(1)
 

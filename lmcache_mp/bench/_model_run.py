@@ -1,5 +1,5 @@
 """A trained model on the process pool: prefill speed, decode latency, and
-the memory of the parent and its workers with the model loaded (issue #19).
+the memory of the parent and its workers with the model loaded.
 
 RSS counts a page once per process that maps it, so it cannot tell weights
 shared by every worker from weights copied into each; PSS divides each

@@ -1,7 +1,7 @@
 """The peers ``lmcache-mp bench --compare`` runs the same modify on.
 
 Each peer edits every stream's cached KV the way a user of that library
-would, over the same embedded store (issue #12):
+would, over the same embedded store:
 
 * ``loky``: joblib's reusable process executor; the parent retrieves each
   KV, the worker gets it pickled, edits it and sends the result back

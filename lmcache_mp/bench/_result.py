@@ -166,7 +166,7 @@ def run_bench(
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     cores = usable_cores()
     result = BenchResult(config, machine_info(config.start_method), [], created)
-    # How close a phase is to the machine's limits (issue #12).
+    # How close a phase is to the machine's limits.
     result.machine.update(references())
     _warm_up(config)
     values: list[int | None] = [*sweep_values(config, cores)] or [None]

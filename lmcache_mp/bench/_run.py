@@ -45,9 +45,9 @@ _PRELOAD = (
     "lmcache_mp.bench._unhinted",
 )
 #: What a bfloat16 KV adds: ml_dtypes, imported by the first phase that
-#: unpickles the store or the synthetic engine in a worker (0.6-1.2 s here
-#: on a busy machine). Under ``auto`` that is the modify phase, the
-#: prefill having run on threads: issue #20 timed it as auto's overhead.
+#: unpickles the store or the synthetic engine in a worker (a noticeable
+#: part of a short phase). Under ``auto`` that is the modify phase, the
+#: prefill having run on threads, where it would count as auto's overhead.
 _PRELOAD_BF16 = ("ml_dtypes",)
 
 
@@ -161,7 +161,7 @@ def run_once(
     Raises:
         LMCacheBatchedStreamError: If a phase failed as a whole.
     """
-    # An edit scored with queries (issue #21) gets 0.5.6 streams with a
+    # An edit scored with queries gets 0.5.6 streams with a
     # QUERY context, whose queries the engine records during the prefill.
     edit_name = getattr(edit, "name", None)
     scored = edit_name in KIND_EDITS
@@ -202,7 +202,7 @@ def run_once(
                     *(() if load is None else (load,)),
                     # Each worker maps the store's arena and touches its
                     # retrieve buffers as the pool starts, not in its first
-                    # phase (issue #20).
+                    # phase.
                     *_arena_mapping(store, config.prompt_tokens),
                 ),
             ) as batch,
@@ -271,7 +271,7 @@ def _run_phases(
                 try:
                     metrics = calls[phase]()
                 except LMCacheBatchedStreamError as exc:
-                    # Streams that failed (issue #20: KV evicted from a full
+                    # Streams that failed (KV evicted from a full
                     # store) are reported with the figures of the others;
                     # the run goes on, so the table shows what happened.
                     if exc.metrics is None:

@@ -1,7 +1,7 @@
-"""Real models' KV shapes, for ``lmcache-mp bench --shape NAME`` (issue #20).
+"""Real models' KV shapes, for ``lmcache-mp bench --shape NAME``.
 
-Every bench figure before issue #20 was at 8 MiB of KV per stream; a real
-model keeps far more (Llama-3-8B: 128 KiB per token, 512 MiB for a
+The toy engine's default KV is a few MiB per stream; a real model keeps
+far more (Llama-3-8B: 128 KiB per token, 512 MiB for a
 4,096-token prompt). A preset sets the layers, KV heads, head size and
 dtype of one model, as its Hugging Face ``config.json`` gives them
 (``num_hidden_layers``, ``num_key_value_heads``, ``head_dim`` or

@@ -1,10 +1,10 @@
-"""The engine of the real-shape benchmarks: a real model's KV, no model (#20).
+"""The engine of the real-shape benchmarks: a real model's KV, no model.
 
 The embedded engine is an exact toy transformer: its arithmetic caps the
 model width (``d_model`` at most 256, float16/float32 KV) and its causal
 attention, run in float64, takes minutes per stream for a 4,096-token
-prompt at Llama-3-8B's shape (measured here: 44 s for 1,024 tokens, and it
-grows with the square). What ``--shape`` measures is the modify phase —
+prompt at Llama-3-8B's shape (it grows with the square of the prompt).
+What ``--shape`` measures is the modify phase —
 moving and editing a real model's KV — so its prefill and decode run this
 stand-in instead: the KV of a token is a row of a small seeded table,
 picked by the token id (a gather, at memory speed), and each reply's tokens
@@ -14,7 +14,7 @@ wrote different KV decode different tokens (the bench's agreement check).
 It loads and offloads the KV a chunk at a time (the store's ``start=``),
 as a real engine moves it between GPU and store, so that a request holds
 one chunk of host memory, not its whole KV: with every stream of a batch in
-flight, the whole KV was 4 GiB per worker at Llama-3-8B's shape (#20).
+flight, the whole KV would be gigabytes per worker at Llama-3-8B's shape.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ _TABLE_ROWS = 64
 
 
 # Its work is numpy gathers and sums and the store's copies, which release
-# the GIL (issue #12's hints); auto runs its phases on threads.
+# the GIL (the project's hints); auto runs its phases on threads.
 @releases_gil
 class SyntheticEngine:
     """A ``post_completion`` with a real model's KV layout and no model.

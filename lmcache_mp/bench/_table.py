@@ -221,14 +221,14 @@ def _auto_notes(executors: dict[str, Any]) -> list[str]:
     best = min(walls["thread"], walls["process"])
     return [
         f"modify, {name} vs the better of thread and process: "
-        f"{best / walls[name]:.2f}x (project goal: >= 0.95x, issue #20)."
+        f"{best / walls[name]:.2f}x (project goal: >= 0.95x)."
         for name in ("auto", "auto-unhinted")
         if name in walls
     ]
 
 
 def _memory_note(point: dict[str, Any]) -> list[str]:
-    """Each executor's peak RSS against issue #20's bound: the KV the store
+    """Each executor's peak RSS against the project's bound: the KV the store
     holds at the end (every prompt token's and every kept token's), plus
     two streams' KV per worker, plus 1 GiB. Only for the synthetic engine
     (``--shape`` runs): a model engine's workers each hold its weights."""
@@ -256,7 +256,7 @@ def _memory_note(point: dict[str, Any]) -> list[str]:
             + (f" (over it: {', '.join(over)})" if over else "")
         )
     return [
-        f"peak RSS bound (issue #20: the KV the store holds, {_bytes(stored)}, + 2 "
+        f"peak RSS bound (the KV the store holds, {_bytes(stored)}, + 2 "
         f"streams' KV, {_bytes(2 * stream_kv)}, per worker + 1 GiB): "
         f"{'; '.join(parts)}."
     ]

@@ -1,4 +1,4 @@
-"""An edit without its GIL hint, for the bench's ``auto-unhinted`` runs (#20)."""
+"""An edit without its GIL hint, for the bench's ``auto-unhinted`` runs."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ PyramidKV (Cai et al., 2024) is left out on purpose: it gives each layer
 its own budget (more tokens in the lower layers), but a stream's KV has one
 token axis and one token list for every layer, so one token subset per
 stream cannot hold a different number of tokens per layer; forcing one
-shared subset would make it SnapKV's selection again (issue #21).
+shared subset would make it SnapKV's selection again.
 """
 
 from lmcache_mp._core.attention import AttentionConfig

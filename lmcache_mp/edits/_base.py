@@ -66,7 +66,7 @@ class Edit(ABC):
         """
         if isinstance(kv, Mapping):
             # A 0.5.6-API stream hands {kind: tensor}: these edits read and
-            # return its KV (issue #11), so make_edit works on either API.
+            # return its KV, so make_edit works on either API.
             kv = kv[LMCacheSDKCacheKind.KV]
         arr, toks = _check_input(kv, tokens, type(self).__name__)
         return self._apply(arr, toks)

@@ -21,28 +21,28 @@ __all__ = ["TokenDrop"]
 class TokenDrop(Edit):
     """A token-dropping edit: its budget, and where its kept keys sit.
 
-    The budget is ``keep`` (a fraction: ``round(keep * T)`` tokens, halves
-    up, at least 1) or ``budget`` (a token count), never both; the edit's
-    own protected tokens (attention sinks, a recent window) raise it, and
-    a sequence that fits is kept whole. The kept tokens stay in their
-    order. Their keys stay rotated for their original positions unless
-    ``rerotate`` is set: then :func:`~lmcache_mp.edits.rerotate_keys` moves
-    them to positions ``0 .. kept - 1``, where decoding looks for them
-    (issue #19), which needs the model's ``attention``.
+     The budget is ``keep`` (a fraction: ``round(keep * T)`` tokens, halves
+     up, at least 1) or ``budget`` (a token count), never both; the edit's
+     own protected tokens (attention sinks, a recent window) raise it, and
+     a sequence that fits is kept whole. The kept tokens stay in their
+     order. Their keys stay rotated for their original positions unless
+     ``rerotate`` is set: then :func:`~lmcache_mp.edits.rerotate_keys` moves
+     them to positions ``0 .. kept - 1``, where decoding looks for them
+    , which needs the model's ``attention``.
 
-    Args:
-        keep: Fraction of all tokens to keep, in ``(0, 1]``; the edit's
-            default when neither ``keep`` nor ``budget`` is given.
-        budget: Tokens to keep, at least 1, instead of ``keep``.
-        rerotate: Move the kept keys' RoPE to positions ``0 .. kept - 1``.
-        attention: The model's attention shape and RoPE
-            (:class:`~lmcache_mp.edits.AttentionConfig`); needed by
-            ``rerotate``, and by the edits that group query heads.
+     Args:
+         keep: Fraction of all tokens to keep, in ``(0, 1]``; the edit's
+             default when neither ``keep`` nor ``budget`` is given.
+         budget: Tokens to keep, at least 1, instead of ``keep``.
+         rerotate: Move the kept keys' RoPE to positions ``0 .. kept - 1``.
+         attention: The model's attention shape and RoPE
+             (:class:`~lmcache_mp.edits.AttentionConfig`); needed by
+             ``rerotate``, and by the edits that group query heads.
 
-    Raises:
-        ValueError: If a parameter is out of range, both ``keep`` and
-            ``budget`` are given, or ``rerotate`` is set without
-            ``attention``; the message names the parameter.
+     Raises:
+         ValueError: If a parameter is out of range, both ``keep`` and
+             ``budget`` are given, or ``rerotate`` is set without
+             ``attention``; the message names the parameter.
     """
 
     #: ``keep`` when neither ``keep`` nor ``budget`` is given (``None``:

@@ -110,7 +110,7 @@ class RedundancyDrop(ScoredDrop):
             )
         similarity = _max_similarity if self.reduce == "max" else _mean_similarity
         redundancy = np.zeros(hi - lo, dtype=np.float64)
-        # A layer at a time (issue #20): float32 keys of every layer at once
+        # A layer at a time: float32 keys of every layer at once
         # were another copy of the KV's size, 512 MiB per Llama-3-8B stream.
         for layer in layers:
             for group in _unit_keys(kv[0, layer], heads):

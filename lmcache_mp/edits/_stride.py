@@ -22,7 +22,7 @@ class Stride(TokenDrop):
 
     **A benchmark workload**: one strided copy of the KV, about a
     millisecond for 8 MiB, so a modify phase with it costs mostly the
-    retrieve, the store and the dispatch around the fn (issue #12's "keep
+    retrieve, the store and the dispatch around the fn (the project's "keep
     every other token" row). Unlike :class:`~lmcache_mp.edits.Identity`, it
     changes the tokens, so the store writes new chunks rather than
     overwriting.

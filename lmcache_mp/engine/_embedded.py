@@ -203,7 +203,7 @@ class EmbeddedEngine(CachingEngine):
 
         The contract of :meth:`HFEngine.score
         <lmcache_mp.engine.HFEngine.score>` (vLLM's ``prompt_logprobs``),
-        so that ``lmcache-mp eval`` runs on either engine (issue #21): the
+        so that ``lmcache-mp eval`` runs on either engine: the
         prompt's cached prefix (edited or not) is reused as :meth:`__call__`
         reuses it, the rest is computed, nothing is stored.
 

@@ -1,5 +1,5 @@
 """A trained model as a ``post_completion``: Hugging Face ``transformers`` on
-the CPU, with LMCache's prefix cache and vLLM's KV layout (issue #19)."""
+the CPU, with LMCache's prefix cache and vLLM's KV layout."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 ``transformers`` hands an attention function the query after the model's own
 positional encoding (RoPE for Llama), the tensor upstream LMCache's vLLM
-patch exports as the QUERY kind (issue #19). Registering a function that
+patch exports as the QUERY kind. Registering a function that
 notes it and then runs PyTorch's SDPA, exactly as ``"sdpa"`` does, records
 it for any architecture without re-implementing RoPE, and leaves the
 numbers of every forward unchanged.

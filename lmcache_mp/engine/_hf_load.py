@@ -8,7 +8,7 @@ cache (``$LMCACHE_MP_CACHE``, else ``$XDG_CACHE_HOME/lmcache_mp``, else
 place, under a file lock so that workers starting together convert it once.
 Every later load, in any process, maps that file: ``transformers`` loads
 safetensors on the CPU without copying, so the weights' pages are shared by
-every worker of a pool and resident once (issue #19).
+every worker of a pool and resident once.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ class KVSequence:
     bits.
 
     The grid copies are float64, four times a bf16 KV, so they are kept only
-    once a second pass needs them (issue #20: at Llama-3-8B's shape, 2 GiB
+    once a second pass needs them (at Llama-3-8B's shape, 2 GiB
     per 4,096-token prefill that decodes nothing more). The first pass over
     an empty sequence grids one layer at a time and keeps none; a pass
     starting later grids the positions before it, then keeps its own.

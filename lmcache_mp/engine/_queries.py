@@ -1,7 +1,7 @@
 """Recording a prompt's queries in a QUERY context, for query-aware edits.
 
-Upstream LMCache's vLLM patch exports the post-RoPE queries beside the KV
-(issue #11); the embedded engines store them the same way: a ``[1, L, T,
+Upstream LMCache's vLLM patch exports the post-RoPE queries beside the KV;
+the embedded engines store them the same way: a ``[1, L, T,
 q_heads x head_dim]`` tensor over the same chunk-aligned token ranges as
 the KV.
 """

@@ -1,4 +1,4 @@
-"""``executor="auto"``: threads or processes, chosen per phase (issue #12).
+"""``executor="auto"``: threads or processes, chosen per phase.
 
 Data flow of a phase::
 
@@ -19,10 +19,10 @@ Threads cost nothing to start and move no state through pipes, but run
 Python bytecode one stream at a time; processes run it on every core but
 pay a round trip per stream and, once per batch, the pool start. The
 first modify stream of an unknown fn is a real run (its outcome commits),
-measured where a worker would run it: in one, when the pool runs (issue
-#20), else on the caller's thread with one BLAS thread. The cost model
+measured where a worker would run it: in one, when the pool runs,
+else on the caller's thread with one BLAS thread. The cost model
 (:func:`~lmcache_mp.executors._cost.weigh`) counts the GIL-held share of
-a stream's wall time as serial on threads (issue #20).
+a stream's wall time as serial on threads.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class AutoExecutor(PhaseExecutor):
         """The pool start a modify that picks processes is charged.
 
         The pool is persistent: its start is paid once per batch, by the
-        first phase that uses it, and serves every later one (issue #20).
+        first phase that uses it, and serves every later one.
         Nothing when it runs, or when this batch's engine holds the GIL (its
         generate phases run on the pool anyway); else the measured start,
         or a guess by start method before one was measured.
@@ -184,9 +184,9 @@ class AutoExecutor(PhaseExecutor):
         one first, a round at a time (one in flight per worker) until the
         measurement is back, then as usual; a choice of threads takes the
         streams not sent yet instead. Nothing runs alone while it is measured, and a fn
-        that belongs on processes loses nothing to it: issue #20 saw the
-        caller's lone measurement of one 512 MiB stream double a modify
-        phase that the pool runs in four rounds. Without a pool, the
+        that belongs on processes loses nothing to it: a lone measurement
+        of one large stream in the caller would add a whole round to a
+        modify phase that the pool runs in a few. Without a pool, the
         measured stream runs alone on the caller's thread with one BLAS
         thread, as a worker would: a start would outlast it, and threads
         may be the choice. The measured stream is real work; its outcome

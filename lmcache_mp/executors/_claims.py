@@ -5,7 +5,7 @@ outcome is ready. After a worker dies, the parent reads the claims left
 behind: their streams were running on the dead worker and fail, naming
 it; every other lost stream is run again. An engine that retries a task by
 itself (Dask reschedules the tasks of a lost worker) finds the claim taken
-and reports the stream lost instead of running it twice (issue #10): a fn
+and reports the stream lost instead of running it twice: a fn
 that killed one worker is not handed a second one, and a stream never
 commits twice.
 

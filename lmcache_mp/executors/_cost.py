@@ -1,5 +1,5 @@
 """``executor="auto"``'s cost model: threads or processes for a phase's
-other streams, from one stream's measurement (issues #12, #20)."""
+other streams, from one stream's measurement."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from dataclasses import dataclass
 __all__ = ["ROUND_TRIP_S", "THREAD_EFFICIENCY", "Choice", "weigh"]
 
 #: Parent-side cost of one stream on the pool (task pickling, the result
-#: queue, the outcome): 0.3-1 ms measured here on 2 cores (issue #12).
+#: queue, the outcome), a bound on what ``bench`` measures.
 ROUND_TRIP_S = 1e-3
 #: Share of the cores threads reach on CPU work that releases the GIL:
-#: measured here at ~0.5 on 2 cores (``bench --compare``: threads ran the
-#: redundancy and stride edits no faster than one core, the GIL convoy on
-#: every store call) where processes reached 1.2-2x (issue #12).
+#: ``bench --compare`` finds threads running the redundancy and stride
+#: edits little faster than one core (the GIL convoy on every store call),
+#: where processes scale with the cores; see docs/benchmarks/.
 THREAD_EFFICIENCY = 0.5
 
 
@@ -48,10 +48,9 @@ def weigh(
     The GIL-held share is a share of the stream's *wall* time (what the
     watch measures): that much of every stream runs one at a time on
     threads, whatever the cores and whatever its CPU share (the holder may
-    be waiting for a core on a busy machine: the GIL stays held). Issue
-    #20 saw a fn holding the GIL 98% of the time estimated within 2% on
-    threads and processes, where the old model scaled the whole stream by
-    its CPU share and a GIL share floored by the cores. Of the rest, the
+    be waiting for a core on a busy machine: the GIL stays held), which
+    estimates a fn that holds the GIL nearly all the time closely on both
+    threads and processes. Of the rest, the
     CPU work runs on the cores at ``THREAD_EFFICIENCY``, and the waits
     (I/O, sleeps) overlap. Processes run whole streams on ``min(cores,
     rest)`` workers, in rounds, plus a round trip per stream and the pool

@@ -49,7 +49,7 @@ __all__ = ["JOIN_TIMEOUT", "Hold", "ShardExecutor", "fail_all", "pickle_spec"]
 #: task per worker stays in flight, so that a stop leaves the most jobs
 #: unsent), ``False`` (send the rest as usual) or ``True`` (leave them
 #: unrun, named in ``PhaseRun.unrun``). How ``executor="auto"`` stops a
-#: measured phase that belongs on threads (issue #20).
+#: measured phase that belongs on threads.
 Hold = Callable[[PhaseRun], bool | None]
 
 #: Times a phase rebuilds a broken pool before failing what is left.
@@ -100,7 +100,7 @@ def _unimportable_modules(objs: Sequence[Any]) -> list[types.ModuleType]:
     cloudpickle pickles a module-level function by reference; a worker then
     imports its module, which fails for a module loaded from a file outside
     ``sys.path`` (a notebook's helper file, ``importlib`` by path). Those are
-    pickled by value instead (issue #4). Modules already registered by the
+    pickled by value instead. Modules already registered by the
     caller are left to the caller.
     """
     roots = [os.path.abspath(p or os.curdir) + os.sep for p in sys.path]

@@ -89,7 +89,7 @@ def initialize(blas_threads: int | None, preload: Sequence[Preload]) -> None:
         blas_threads: Cap on BLAS/OpenMP threads, or ``None`` for no cap.
         preload: Modules to import now rather than in every phase, and
             callables to call now (e.g. an engine's ``load``, so that each
-            worker loads its model once, as it starts: issue #19).
+            worker loads its model once, as it starts).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()

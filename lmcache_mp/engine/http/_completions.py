@@ -156,7 +156,7 @@ def _count(doc: dict[str, Any], key: str, most: int) -> int | None:
 
 def _scoring(doc: dict[str, Any], max_logprobs: int) -> dict[str, Any]:
     """The prompt log-probability fields, checked as vLLM checks them; what
-    the engine cannot do is refused naming the field (issue #21)."""
+    the engine cannot do is refused naming the field."""
     fields = {
         "prompt_logprobs": _count(doc, "prompt_logprobs", max_logprobs),
         "echo": _flag(doc, "echo"),

@@ -172,7 +172,7 @@ class _Handler(JSONRequestHandler):
         """Answer with the prompt's log-probabilities (or its echo), scored as
         the engine's ``score`` scores: over the cached prefix, nothing
         stored; the one token asked for at most is sampled from the
-        distribution after the prompt (issue #21)."""
+        distribution after the prompt."""
         vocab, prompt = self.app.vocab, request.prompt
         with _engine_errors("scoring"):
             first, reused, rows = score_prompt(

@@ -1,4 +1,4 @@
-"""Log-probabilities on the wire of OpenAI completions (issue #21).
+"""Log-probabilities on the wire of OpenAI completions.
 
 Two request shapes ask a server for the log-probabilities of a prompt's
 tokens, each answered with the top-K tokens of every position's

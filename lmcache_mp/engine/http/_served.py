@@ -1,5 +1,5 @@
 """What ``lmcache-mp serve`` needs of the engine it serves: the toy model
-or a trained one (issue #21), its vocabulary, and the scores of a prompt."""
+or a trained one, its vocabulary, and the scores of a prompt."""
 
 from __future__ import annotations
 

@@ -246,7 +246,7 @@ class OpenAICompletions:
 
         The contract of :meth:`HFEngine.score
         <lmcache_mp.engine.HFEngine.score>`, so that ``lmcache-mp eval``
-        scores through a server (issue #21). One non-streaming
+        scores through a server. One non-streaming
         ``POST /v1/completions`` of ``prompt + continuation`` asks for the
         prompt's log-probabilities as ``scoring`` says: vLLM's
         ``prompt_logprobs`` (with ``max_tokens: 1``) or the legacy ``echo``

@@ -8,7 +8,7 @@ The toy model (:class:`EmbeddedEngine`), or with ``--model`` a trained one
 ``prompt_tokens_details.cached_tokens``). Errors are OpenAI-style JSON
 bodies with 4xx codes.
 
-The prompt's log-probabilities (issue #21), as vLLM answers them:
+The prompt's log-probabilities, as vLLM answers them:
 ``prompt_logprobs: K`` and ``echo`` with ``logprobs: K`` (and
 ``return_tokens_as_token_ids``; ``max_tokens: 0`` for no completion), K up
 to ``--max-logprobs`` (20, vLLM's default), not streamed. They are the
@@ -265,7 +265,7 @@ class EngineServer:
                     "owned_by": "lmcache-mp",
                     "max_model_len": self.vocab.max_model_len,
                     # Not in vLLM's card: lets a scoring client size its rows,
-                    # and one that shares the store check it (issue #21).
+                    # and one that shares the store check it.
                     "vocab_size": self.vocab.size,
                     **self._store_card(),
                 }
