@@ -37,10 +37,9 @@ from lmcache_mp.edits._rope import rerotate_keys
 from lmcache_mp.edits._scorer import PyTokenScorer
 from lmcache_mp.edits._select import keep_count, keep_indices
 from lmcache_mp.edits._snapkv import SnapKV
-from lmcache_mp.edits._streamingllm import StreamingLLM
 from lmcache_mp.edits._stride import Stride
 from lmcache_mp.edits._tova import TOVA
-from lmcache_mp.edits._window import RecentWindow
+from lmcache_mp.edits._window import RecentWindow, StreamingLLM
 
 __all__ = [
     "EDITS",

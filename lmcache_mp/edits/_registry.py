@@ -18,10 +18,9 @@ from lmcache_mp.edits._redundancy import RedundancyDrop
 from lmcache_mp.edits._rkv import RKV
 from lmcache_mp.edits._scorer import PyTokenScorer
 from lmcache_mp.edits._snapkv import SnapKV
-from lmcache_mp.edits._streamingllm import StreamingLLM
 from lmcache_mp.edits._stride import Stride
 from lmcache_mp.edits._tova import TOVA
-from lmcache_mp.edits._window import RecentWindow
+from lmcache_mp.edits._window import RecentWindow, StreamingLLM
 
 __all__ = ["EDITS", "KIND_EDITS", "make_edit"]
 

@@ -1,4 +1,7 @@
-"""Attention sinks plus a recent window."""
+"""Attention sinks plus a recent window: one rule, under two names. ``window``
+(:class:`RecentWindow`) sizes the window in tokens and keeps positions;
+``streamingllm`` (:class:`StreamingLLM`, the paper's name) sizes it by
+``keep`` and rerotates by default."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from lmcache_mp.edits._base import EditResult, check_int
 from lmcache_mp.edits._budget import TokenDrop
 from lmcache_mp.hints import releases_gil
 
-__all__ = ["RecentWindow", "SinkWindow"]
+__all__ = ["RecentWindow", "SinkWindow", "StreamingLLM"]
 
 
 @dataclass(frozen=True)
@@ -99,3 +102,42 @@ class RecentWindow(SinkWindow):
         if self.sized():
             return self.kept_count(total, self.sinks)
         return min(total, self.sinks + self.window)
+
+
+@releases_gil
+@dataclass(frozen=True)
+class StreamingLLM(SinkWindow):
+    """Keep ``sinks`` attention sinks and the most recent tokens.
+
+    The rule of StreamingLLM (Xiao et al., 2023, "Efficient Streaming
+    Language Models with Attention Sinks"): the first tokens draw attention
+    whatever their content, so a cache of those ``sinks`` plus a window of
+    the latest tokens keeps the model fluent. Of ``T`` tokens it keeps the
+    first ``sinks`` and the last ``budget - sinks`` (the budget from
+    ``keep``, default 0.5, or ``budget``; at least the sinks; all ``T``
+    when that is ``T`` or more). KV only; the same subset for every layer
+    and head (the rule has no scores to aggregate).
+
+    The paper assigns positions *within the cache*: the kept tokens sit at
+    ``0 .. kept - 1``, so ``rerotate`` is on by default and needs the
+    model's ``attention`` (e.g. ``engine.attention``); ``rerotate=False``
+    keeps their original positions, as upstream's ``window``-style fns do.
+
+    Args:
+        keep: Fraction of all tokens to keep, in ``(0, 1]`` (default 0.5).
+        budget: Tokens to keep, instead of ``keep``.
+        rerotate: Move the kept keys' RoPE to positions ``0 .. kept - 1``
+            (default ``True``).
+        attention: The model's attention shape and RoPE; required while
+            ``rerotate`` is set.
+        sinks: Leading tokens kept.
+
+    Raises:
+        ValueError: If a parameter is out of range, or ``rerotate`` is set
+            without ``attention``; the message names it.
+    """
+
+    name: ClassVar[str] = "streamingllm"
+    default_keep: ClassVar[float | None] = 0.5
+
+    rerotate: bool = True
