@@ -271,7 +271,7 @@ def add_bench_parser(
 
 
 def _int(
-    group: argparse._ArgumentGroup, flag: str, least: int, default: int, text: str
+    group: argparse._ActionsContainer, flag: str, least: int, default: int, text: str
 ) -> None:
     group.add_argument(
         flag,

@@ -92,9 +92,14 @@ _PYSCORE_WORK = 96
 _SWEEP_MIN_PROMPT = 256
 
 
-def _positive(name: str, value: Any) -> None:
+def check_count(owner: str, name: str, value: Any) -> None:
+    """Check that ``owner.name`` (a config's field) is an int >= 1.
+
+    Raises:
+        ValueError: If it is not, naming the field and the value.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"BenchConfig.{name} must be an int >= 1, got {value!r}")
+        raise ValueError(f"{owner}.{name} must be an int >= 1, got {value!r}")
 
 
 def _one_of(name: str, value: Any, choices: Sequence[str]) -> None:
@@ -208,9 +213,9 @@ class BenchConfig:
             "repeat",
             "chunk_size",
         ):
-            _positive(name, getattr(self, name))
+            check_count("BenchConfig", name, getattr(self, name))
         if self.workers is not None:
-            _positive("workers", self.workers)
+            check_count("BenchConfig", "workers", self.workers)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"BenchConfig.seed must be an int, got {self.seed!r}")
         if self.seed < 0:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from lmcache_mp.bench._cli import _check_path, _fraction, _int_at_least, _names
+from lmcache_mp.bench._cli import _check_path, _fraction, _int, _int_at_least, _names
 from lmcache_mp.bench._eval import evaluate
 from lmcache_mp.bench._eval_config import EVAL_EDITS, EVAL_EXECUTORS, EvalConfig
 from lmcache_mp.bench._plot import require_matplotlib
@@ -26,16 +26,6 @@ def _fractions(text: str) -> tuple[float, ...]:
             f"expected fractions in (0, 1] separated by commas, got {text!r}"
         )
     return tuple(_fraction(part) for part in parts)
-
-
-def _int(group: argparse._ActionsContainer, flag: str, default: int, text: str) -> None:
-    group.add_argument(
-        flag,
-        type=_int_at_least(1),
-        default=default,
-        metavar="N",
-        help=f"{text} (default: {default})",
-    )
 
 
 def add_eval_parser(
@@ -80,8 +70,8 @@ def add_eval_parser(
         help="comma-separated fractions of the prompt's tokens to keep "
         f"(default: {','.join(f'{k:g}' for k in d.keeps)})",
     )
-    _int(p, "--continuation", d.continuation, "tokens scored after each document")
-    _int(p, "--prompts", d.prompts, "documents, and as many passkey haystacks")
+    _int(p, "--continuation", 1, d.continuation, "tokens scored after each document")
+    _int(p, "--prompts", 1, d.prompts, "documents, and as many passkey haystacks")
     p.add_argument(
         "--executor",
         choices=EVAL_EXECUTORS,
@@ -101,7 +91,7 @@ def add_eval_parser(
         metavar="N",
         help="worker processes (default: physical cores)",
     )
-    _int(p, "--chunk-size", d.chunk_size, "tokens per KV store chunk")
+    _int(p, "--chunk-size", 1, d.chunk_size, "tokens per KV store chunk")
     p.add_argument(
         "--haystack-lines",
         type=_int_at_least(0),

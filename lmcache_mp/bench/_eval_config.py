@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from lmcache_mp.bench._config import check_count
 from lmcache_mp.edits import EDITS, KIND_EDITS
 
 __all__ = ["EVAL_EDITS", "EVAL_EXECUTORS", "EvalConfig"]
@@ -27,11 +28,6 @@ EVAL_EDITS = (
 #: Executors the modify phase may run on (the eval's own process runs the
 #: scoring; distributed executors are the bench's).
 EVAL_EXECUTORS = ("process", "thread", "serial", "auto")
-
-
-def _positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"EvalConfig.{name} must be an int >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -121,13 +117,13 @@ class EvalConfig:
                 f"{', '.join(EVAL_EXECUTORS)}"
             )
         for name in ("continuation", "prompts", "chunk_size", "answer_tokens"):
-            _positive(name, getattr(self, name))
+            check_count("EvalConfig", name, getattr(self, name))
         if self.haystack_lines < 0:
             raise ValueError(
                 f"EvalConfig.haystack_lines must be >= 0, got {self.haystack_lines}"
             )
         if self.workers is not None:
-            _positive("workers", self.workers)
+            check_count("EvalConfig", "workers", self.workers)
         if self.server is not None and self.store is None:
             raise ValueError(
                 "EvalConfig.server needs EvalConfig.store: the URL of the "
