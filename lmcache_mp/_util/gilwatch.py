@@ -68,7 +68,7 @@ class GilWatch:
     While the watched thread runs bytecode, the watcher waits until the
     interpreter forces a switch (``sys.getswitchinterval()``, 5 ms); while
     it runs C code that released the GIL, the watcher gets it within the
-    timer's slack (~0.1 ms). The time spent in waits of over half a switch
+    timer's slack. The time spent in waits of over half a switch
     interval, over the most it can be (a switch interval per nap), is the
     GIL-held share; bytecode run in bursts shorter than that counts as
     released.
@@ -77,8 +77,9 @@ class GilWatch:
     for a core (load 5 on 2 cores); where Linux reports that
     wait (``/proc/thread-self/schedstat``) it is ``queued_s``: CPU the
     block wanted but did not get, not a wait that threads would overlap.
-    (Taking the watcher's own core waits out of its delays was tried: it
-    took out GIL handoffs too, and read a pure-Python loop as 20-90% held.)
+    (The watcher's own core waits are not taken out of its delays: that
+    takes out GIL handoffs too, and reads a pure-Python loop as partly
+    released.)
     """
 
     _NAP_S = 1e-3
@@ -104,8 +105,7 @@ class GilWatch:
             time.sleep(self._NAP_S)
             late = time.perf_counter() - start - self._NAP_S
             # Half a switch interval late: it waited for the GIL. Less is
-            # the timer's slack or a busy core (seen up to ~1 ms here
-            # while other processes ran), not the watched thread.
+            # the timer's slack or a busy core, not the watched thread.
             if late > sys.getswitchinterval() / 2:
                 self._blocked += late
 

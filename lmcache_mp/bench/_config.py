@@ -166,10 +166,9 @@ class BenchConfig:
         ValueError: If a field is out of range; the message names it.
     """
 
-    # Sized so that the default run on the trained model takes about two
-    # minutes on 2 cores, its prefill ~11 s per executor, and
-    # spends its modify in the GIL-bound edit, the phase the library exists
-    # for.
+    # Sized so that the default run on the trained model takes a few
+    # minutes on 2 cores and spends its modify in the GIL-bound edit, the
+    # phase the library exists for.
     executors: tuple[str, ...] = ("thread", "process")
     streams: int = 4
     prompt_tokens: int = 512

@@ -1,7 +1,7 @@
 """Finding a Hugging Face causal LM and loading it once per process.
 
-A GGUF file is dequantized by ``transformers`` at every load (SmolLM2-135M:
-~15 s, its float weights in each process's private memory). The first load
+A GGUF file is dequantized by ``transformers`` at every load (slow, and its
+float weights land in each process's private memory). The first load
 therefore converts it once into a safetensors directory under the user's
 cache (``$LMCACHE_MP_CACHE``, else ``$XDG_CACHE_HOME/lmcache_mp``, else
 ``~/.cache/lmcache_mp``), built in a temporary directory and renamed into

@@ -57,7 +57,7 @@ _MAX_ROUNDS = 3
 #: Seconds to wait for workers to start, or to exit when closing.
 JOIN_TIMEOUT = 60.0
 #: Modify jobs per task: enough tasks (4 per worker) to balance the load,
-#: few enough that a ~0.2 ms round trip is amortised over several streams.
+#: few enough that a task's round trip is amortised over several streams.
 _TASKS_PER_WORKER = 4
 
 

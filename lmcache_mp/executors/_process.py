@@ -175,8 +175,8 @@ class ProcessExecutor(ShardExecutor):
         ctx = multiprocessing.get_context(self._mp_context)
         if self._mp_context == "forkserver":
             # threadpoolctl: each worker caps BLAS with it at start, and its
-            # import alone took ~20 ms per worker (a later pool
-            # starts in < 0.1 s). The server skips a module it cannot import.
+            # import is a large share of a worker's start; preloaded, a later
+            # pool starts at once. The server skips a module it cannot import.
             ctx.set_forkserver_preload(
                 [
                     "lmcache_mp.executors._worker",

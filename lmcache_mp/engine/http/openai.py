@@ -263,9 +263,9 @@ class OpenAICompletions:
         overstates where one row's likely tokens fall outside the other's
         listed ones (they get the even share, below their true
         probability), and understates within the unlisted tails, whose
-        differences the flattening hides. Measured at 20 listed tokens it
-        came out above the exact KL: 1.2-1.7x on SmolLM2-135M (README,
-        ``lmcache-mp eval --server``), ~2x on the toy model's flatter rows.
+        differences the flattening hides. At 20 listed tokens it comes out
+        above the exact KL, more so on the toy model's flatter rows (see
+        docs/eval.md, ``lmcache-mp eval --server``).
 
         Which KV the scores see is the server's business. The request says
         where the context ends (``prompt_logprobs_from``, an lmcache-mp
