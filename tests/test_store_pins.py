@@ -391,6 +391,9 @@ def test_the_eviction_policy_takes_the_least_recently_used_until_it_fits() -> No
     """Both backends' policy: oldest first, only as many as the write needs,
     and nothing at all when even every candidate would not make room."""
     candidates = [(3, "c", 10), (1, "a", 10), (2, "b", 10)]
-    assert lru_victims(candidates, used=30, need=5, budget=35) == ([], 0)
-    assert lru_victims(candidates, used=30, need=15, budget=30) == (["a", "b"], 20)
+    assert lru_victims(candidates, used=30, need=5, budget=35) == []
+    assert lru_victims(candidates, used=30, need=15, budget=30) == [
+        (1, "a", 10),
+        (2, "b", 10),
+    ]
     assert lru_victims(candidates, used=40, need=15, budget=20) is None

@@ -235,18 +235,16 @@ class LMCacheBatchedStream:
                 that id is in the batch, or ``stream`` is not a stream
                 (``LMCacheStream`` or ``LMCacheRequestStream``).
         """
-        if self._closed:
-            raise LMCacheBatchedStreamError(
-                f"the batch is closed: cannot add stream {stream._stream_id}"
-                if isinstance(stream, StreamBase)
-                else "the batch is closed"
-            )
         if not isinstance(stream, StreamBase):
             raise LMCacheBatchedStreamError(
                 "add() takes an LMCacheStream or LMCacheRequestStream, got "
                 f"{type(stream).__name__}"
             )
         sid = stream._stream_id
+        if self._closed:
+            raise LMCacheBatchedStreamError(
+                f"the batch is closed: cannot add stream {sid}"
+            )
         if sid in self.streams:
             raise LMCacheBatchedStreamError(f"stream {sid} is already in the batch")
         pin_stream(stream, self._pins, self._pinned)

@@ -665,9 +665,8 @@ def evict_lru(
     pinned = sum(e.size for e in entries if e.name in pinned_names)
     # Free files go first (removed); then chunks, retired for reuse by the
     # write that needs the room (the bytes stay, as that write's).
-    candidates: list[tuple[object, str, int]] = [
-        ((0, 0), entry.name, entry.size) for entry in free
-    ]
+    # The recency's first item is 0 for a free file, 1 for a chunk.
+    candidates = [((0, 0), entry.name, entry.size) for entry in free]
     candidates += [
         ((1, entry.mtime_ns), entry.name, entry.size)
         for entry in entries
@@ -676,14 +675,11 @@ def evict_lru(
     victims = lru_victims(candidates, used, need, capacity)
     if victims is None:
         return 0, 0, used, pinned  # cannot fit: evict nothing for nothing
-    free_names = {entry.name for entry in free}
-    sizes = {name: size for _, name, size in candidates}
     gone: list[str] = []
     freed = 0
-    for name in victims[0]:
-        size = sizes[name]
+    for (is_chunk, _), name, size in victims:
         used -= size
-        if name in free_names:
+        if not is_chunk:
             remove_free(dir_fd, name)
             continue
         retire(dir_fd, name)

@@ -192,9 +192,9 @@ def make_room(
     victims = lru_victims(chunks, used, need, budget)
     if victims is None:
         return Room(0, 0, 0, used, pinned)
-    names, freed = victims
-    _evict(conn, base, [key[len(prefix) :] for key in names])
-    return Room(count, len(names), freed, used - freed, pinned)
+    freed = sum(size for _, _, size in victims)
+    _evict(conn, base, [key[len(prefix) :] for _, key, _ in victims])
+    return Room(count, len(victims), freed, used - freed, pinned)
 
 
 def _evict(conn: redis.Redis, base: str, names: list[str]) -> None:

@@ -7,9 +7,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 __all__ = ["Counters", "Room", "StoreStats", "lru_victims"]
+
+_Candidate = TypeVar("_Candidate", bound=tuple[Any, str, int])
 
 
 class Room(NamedTuple):
@@ -33,8 +35,8 @@ class Room(NamedTuple):
 
 
 def lru_victims(
-    candidates: Sequence[tuple[object, str, int]], used: int, need: int, budget: int
-) -> tuple[list[str], int] | None:
+    candidates: Sequence[_Candidate], used: int, need: int, budget: int
+) -> list[_Candidate] | None:
     """Choose what to evict so that ``need`` more bytes fit in ``budget``.
 
     Args:
@@ -46,20 +48,19 @@ def lru_victims(
         budget: Bytes the store may hold.
 
     Returns:
-        ``(names, bytes)`` to evict, in order (empty when all fits already);
+        The candidates to evict, in order (none when all fits already);
         ``None`` when evicting every candidate would not make room, so that
         nothing is evicted for nothing.
     """
     if used - sum(size for _, _, size in candidates) + need > budget:
         return None
-    names: list[str] = []
-    freed = 0
-    for _, name, size in sorted(candidates):
-        if used - freed + need <= budget:
+    victims: list[_Candidate] = []
+    for candidate in sorted(candidates):
+        if used + need <= budget:
             break
-        names.append(name)
-        freed += size
-    return names, freed
+        victims.append(candidate)
+        used -= candidate[2]
+    return victims
 
 
 @dataclass(frozen=True)
