@@ -2,7 +2,7 @@
 
 ``lmcache-mp bench`` compares the executors (see :mod:`lmcache_mp.bench`);
 ``lmcache-mp eval`` measures what the edits keep of a model's output
-(:func:`lmcache_mp.bench.evaluate`);
+(see :mod:`lmcache_mp.eval`);
 ``lmcache-mp serve`` runs the embedded toy engine, or a trained model
 (``--model``), behind an OpenAI-compatible HTTP server (see
 :mod:`lmcache_mp.engine.http.server`). Also runnable as ``python -m lmcache_mp``.
@@ -15,13 +15,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from lmcache_mp.bench import (
-    add_bench_parser,
-    add_eval_parser,
-    run_bench_command,
-    run_eval_command,
-)
+from lmcache_mp.bench import add_bench_parser, run_bench_command
 from lmcache_mp.engine.http.server import add_serve_parser, run_serve_command
+from lmcache_mp.eval import add_eval_parser, run_eval_command
 
 __all__ = ["build_parser", "main"]
 

@@ -23,6 +23,7 @@ import pytest
 import lmcache_mp.bench._peers
 import lmcache_mp.bench._result as bench_result
 from lmcache_mp.__main__ import build_parser, main
+from lmcache_mp._harness.progress import ProgressLine
 from lmcache_mp._util.paths import shm_root
 from lmcache_mp.bench import SCHEMA, BenchConfig, BenchResult, run_bench
 from lmcache_mp.bench._cli import config_from_args
@@ -33,7 +34,7 @@ from lmcache_mp.bench._compare import (
 )
 from lmcache_mp.bench._figures import BASIS_PER_STREAM, BASIS_SERIAL, point_figures
 from lmcache_mp.bench._machine import references
-from lmcache_mp.bench._monitor import PeakMemory, ProgressLine
+from lmcache_mp.bench._monitor import PeakMemory
 from lmcache_mp.bench._run import PHASES, PhaseFigures, RunFigures
 from lmcache_mp.bench._shapes import SHAPES
 from lmcache_mp.bench._synthetic import SyntheticEngine

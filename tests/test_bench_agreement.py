@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from lmcache_mp._harness.prompts import DOCUMENTS, document_tokens
 from lmcache_mp.bench import BenchConfig, run_bench
-from lmcache_mp.bench._eval_prompts import DOCUMENTS, document_tokens
 from lmcache_mp.bench._table import format_point
 
 #: The toy model, small enough that a run takes about a second.

@@ -16,10 +16,8 @@ import numpy as np
 import pytest
 
 from lmcache_mp.__main__ import build_parser, main
-from lmcache_mp.bench import EVAL_SCHEMA, EvalConfig, EvalResult, evaluate
-from lmcache_mp.bench._agreement import kl_divergence, top1_agreement
-from lmcache_mp.bench._eval_cli import eval_config_from_args
-from lmcache_mp.bench._eval_prompts import (
+from lmcache_mp._harness.agreement import kl_divergence, top1_agreement
+from lmcache_mp._harness.prompts import (
     FILLER,
     document_prompts,
     passkey_prompt,
@@ -27,6 +25,8 @@ from lmcache_mp.bench._eval_prompts import (
 )
 from lmcache_mp.engine.http.server import serve
 from lmcache_mp.errors import CacheKindError, KVConfigError
+from lmcache_mp.eval import EVAL_SCHEMA, EvalConfig, EvalResult, evaluate
+from lmcache_mp.eval._cli import eval_config_from_args
 from lmcache_mp.kv import connect
 
 #: A small eval on the toy model: two documents, short continuations.

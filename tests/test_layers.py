@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"engine", "edits"},
     {"executors"},
     {"batch"},
+    {"_harness"},
     {"bench", "eval"},
     {"__main__", "__init__"},
 ]

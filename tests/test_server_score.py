@@ -14,7 +14,7 @@ import numpy.typing as npt
 import openai
 import pytest
 
-from lmcache_mp.bench._agreement import kl_divergence
+from lmcache_mp._harness.agreement import kl_divergence
 from lmcache_mp.engine import EmbeddedEngine, EngineConfig
 from lmcache_mp.engine.http._logprobs import read_rows, top_entries
 from lmcache_mp.engine.http.openai import OpenAICompletions, post_completion

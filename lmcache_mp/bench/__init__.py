@@ -1,6 +1,4 @@
-"""The benchmark behind ``lmcache-mp bench``: executors side by side; and
-``lmcache-mp eval`` (:func:`evaluate`): what each edit keeps of a model's
-output at each budget, beside its modify time.
+"""The benchmark behind ``lmcache-mp bench``: executors side by side.
 
 For each executor asked for (``serial``, ``thread``, ``process``), on the
 same prompts and the same model, one run does what a user of the SDK does:
@@ -112,25 +110,14 @@ efficiency is ``null``).
 
 from lmcache_mp.bench._cli import add_bench_parser, run_bench_command
 from lmcache_mp.bench._config import BenchConfig
-from lmcache_mp.bench._eval import evaluate
-from lmcache_mp.bench._eval_cli import add_eval_parser, run_eval_command
-from lmcache_mp.bench._eval_config import EvalConfig
-from lmcache_mp.bench._eval_table import EVAL_SCHEMA, EvalResult, EvalRow
 from lmcache_mp.bench._result import SCHEMA, BenchResult, run_bench, to_json
 
 __all__ = [
-    "EVAL_SCHEMA",
     "SCHEMA",
     "BenchConfig",
     "BenchResult",
-    "EvalConfig",
-    "EvalResult",
-    "EvalRow",
     "add_bench_parser",
-    "add_eval_parser",
-    "evaluate",
     "run_bench",
     "run_bench_command",
-    "run_eval_command",
     "to_json",
 ]

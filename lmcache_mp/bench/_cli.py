@@ -6,11 +6,19 @@ import argparse
 import dataclasses
 import json
 import multiprocessing
-import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from lmcache_mp._harness.options import (
+    TOY,
+    add_int,
+    check_path,
+    fraction,
+    int_at_least,
+    name_list,
+    require_matplotlib,
+)
 from lmcache_mp._util.paths import atomic_write_text
 from lmcache_mp.bench._compare import (
     format_compare,
@@ -27,12 +35,10 @@ from lmcache_mp.bench._config import (
     DROPPING_EDITS,
     SWEEPS,
     SYNTHETIC,
-    TOY,
     BenchConfig,
 )
 from lmcache_mp.bench._machine import machine_info, references
 from lmcache_mp.bench._peers import PEERS
-from lmcache_mp.bench._plot import require_matplotlib
 from lmcache_mp.bench._result import run_bench
 from lmcache_mp.bench._shapes import SHAPES
 from lmcache_mp.errors import KVConfigError, LMCacheError
@@ -43,35 +49,6 @@ __all__ = ["add_bench_parser", "config_from_args", "run_bench_command"]
 _DEFAULTS = BenchConfig()
 
 
-def _int_at_least(least: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected an integer >= {least}, got {text!r}"
-            ) from None
-        if value < least:
-            raise argparse.ArgumentTypeError(
-                f"expected an integer >= {least}, got {value}"
-            )
-        return value
-
-    return parse
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a fraction in (0, 1], got {text!r}"
-        ) from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
-    return value
-
-
 def _gib(text: str) -> int:
     try:
         value = float(text)
@@ -80,27 +57,6 @@ def _gib(text: str) -> int:
     if not 0.0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected GiB >= 0, got {text}")
     return int(value * (1 << 30))
-
-
-def _names(what: str, known: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
-    """A parser of comma-separated names, each one of ``known``, no repeats."""
-
-    def parse(text: str) -> tuple[str, ...]:
-        names = tuple(part.strip() for part in text.split(",") if part.strip())
-        if not names:
-            raise argparse.ArgumentTypeError(
-                f"expected one or more {what}s separated by commas, got {text!r}"
-            )
-        for name in names:
-            if name not in known:
-                raise argparse.ArgumentTypeError(
-                    f"unknown {what} {name!r} (choose from {', '.join(known)})"
-                )
-        if len(set(names)) != len(names):
-            raise argparse.ArgumentTypeError(f"a {what} is named twice in {text!r}")
-        return names
-
-    return parse
 
 
 def add_bench_parser(
@@ -133,7 +89,7 @@ def add_bench_parser(
         "--executors",
         "--executor",
         dest="executors",
-        type=_names("executor", BENCH_EXECUTORS),
+        type=name_list("executor", BENCH_EXECUTORS),
         default=d.executors,
         metavar="NAMES",
         help=f"comma-separated, from {', '.join(BENCH_EXECUTORS)} "
@@ -141,7 +97,7 @@ def add_bench_parser(
     )
     run.add_argument(
         "--edit",
-        type=_names("edit", BENCH_EDITS),
+        type=name_list("edit", BENCH_EDITS),
         default=d.edits,
         metavar="NAMES",
         help=f"ready-made edit(s), comma-separated, from {', '.join(BENCH_EDITS)}"
@@ -150,16 +106,16 @@ def add_bench_parser(
     )
     run.add_argument(
         "--keep",
-        type=_fraction,
+        type=fraction,
         default=None,
         help=f"fraction of tokens the dropping edits ({', '.join(DROPPING_EDITS)}) "
         f"keep (default: {DEFAULT_KEEP})",
     )
-    _int(run, "--streams", 1, d.streams, "request streams")
-    _int(run, "--prompt-tokens", 1, d.prompt_tokens, "tokens per prompt")
-    _int(run, "--max-tokens", 1, d.max_tokens, "tokens each stream decodes")
-    _int(run, "--chunk-size", 1, d.chunk_size, "tokens per KV store chunk")
-    _int(run, "--seed", 0, d.seed, "seed of the prompts, weights and random edit")
+    add_int(run, "--streams", 1, d.streams, "request streams")
+    add_int(run, "--prompt-tokens", 1, d.prompt_tokens, "tokens per prompt")
+    add_int(run, "--max-tokens", 1, d.max_tokens, "tokens each stream decodes")
+    add_int(run, "--chunk-size", 1, d.chunk_size, "tokens per KV store chunk")
+    add_int(run, "--seed", 0, d.seed, "seed of the prompts, weights and random edit")
     model = p.add_argument_group("model size")
     model.add_argument(
         "--shape",
@@ -186,7 +142,7 @@ def add_bench_parser(
     ):
         model.add_argument(
             flag,
-            type=_int_at_least(least),
+            type=int_at_least(least),
             default=None,
             metavar="N",
             help=f"{text} (default: the model's, or the --shape's, else "
@@ -202,7 +158,7 @@ def add_bench_parser(
     pool = p.add_argument_group("executors")
     pool.add_argument(
         "--workers",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=None,
         metavar="N",
         help="worker processes, or the thread cap (default: physical cores "
@@ -247,7 +203,7 @@ def add_bench_parser(
         "for a --store, none; 0: none)",
     )
     out = p.add_argument_group("measuring and output")
-    _int(out, "--repeat", 1, d.repeat, "runs per executor; shows median (min-max)")
+    add_int(out, "--repeat", 1, d.repeat, "runs per executor; shows median (min-max)")
     out.add_argument(
         "--sweep",
         choices=SWEEPS,
@@ -257,7 +213,7 @@ def add_bench_parser(
     )
     out.add_argument(
         "--compare",
-        type=_names("peer", PEERS),
+        type=name_list("peer", PEERS),
         default=None,
         metavar="PEERS",
         help=f"modify only, against peers, comma-separated, from {', '.join(PEERS)}"
@@ -268,26 +224,6 @@ def add_bench_parser(
         "--plot", metavar="PATH", help="draw a PNG (needs the 'plot' extra)"
     )
     return p
-
-
-def _int(
-    group: argparse._ActionsContainer, flag: str, least: int, default: int, text: str
-) -> None:
-    group.add_argument(
-        flag,
-        type=_int_at_least(least),
-        default=default,
-        metavar="N",
-        help=f"{text} (default: {default})",
-    )
-
-
-def _check_path(parser: argparse.ArgumentParser, flag: str, path: str | None) -> None:
-    if path is None:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        parser.error(f"{flag} {path}: the folder {folder} does not exist")
 
 
 def config_from_args(
@@ -323,8 +259,8 @@ def config_from_args(
             "--sweep workers starts local clusters of each size; a given "
             "--scheduler or --ray-address has the size it has"
         )
-    _check_path(parser, "--json", args.json)
-    _check_path(parser, "--plot", args.plot)
+    check_path(parser, "--json", args.json)
+    check_path(parser, "--plot", args.plot)
     if args.plot is not None:
         try:
             require_matplotlib()

@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from lmcache_mp.bench._eval_prompts import document_tokens
+from lmcache_mp._harness.options import TOY, check_count
+from lmcache_mp._harness.prompts import document_tokens
 from lmcache_mp.bench._shapes import SHAPES
 from lmcache_mp.bench._synthetic import SYNTHETIC_VOCAB, SyntheticEngine
 from lmcache_mp.edits import (
@@ -44,7 +45,6 @@ __all__ = [
     "DROPPING_EDITS",
     "SWEEPS",
     "SYNTHETIC",
-    "TOY",
     "BenchConfig",
     "at_sweep_value",
     "sweep_values",
@@ -57,7 +57,6 @@ AUTO_UNHINTED = "auto-unhinted"
 BENCH_EXECUTORS = (*EXECUTOR_NAMES, AUTO_UNHINTED, "dask", "ray")
 #: ``engine`` for the exact toy model (:class:`EmbeddedEngine`, random
 #: weights).
-TOY = "toy"
 #: ``engine`` for real shapes' stand-in without a model
 #: (:class:`~lmcache_mp.bench._synthetic.SyntheticEngine`).
 SYNTHETIC = "synthetic"
@@ -90,16 +89,6 @@ _MAX_PROTECTED = 256
 _PYSCORE_WORK = 96
 #: Smallest prompt a ``prompt-tokens`` sweep starts from.
 _SWEEP_MIN_PROMPT = 256
-
-
-def check_count(owner: str, name: str, value: Any) -> None:
-    """Check that ``owner.name`` (a config's field) is an int >= 1.
-
-    Raises:
-        ValueError: If it is not, naming the field and the value.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}.{name} must be an int >= 1, got {value!r}")
 
 
 def _one_of(name: str, value: Any, choices: Sequence[str]) -> None:

@@ -6,24 +6,9 @@ import math
 import os
 from typing import Any
 
-__all__ = ["PLOT_EXTRA_HINT", "require_matplotlib", "write_plot"]
+from lmcache_mp._harness.options import require_matplotlib
 
-#: How to install what ``--plot`` needs.
-PLOT_EXTRA_HINT = "pip install 'lmcache-mp[plot]'"
-
-
-def require_matplotlib() -> None:
-    """Raise unless matplotlib can be imported.
-
-    Raises:
-        ImportError: If it cannot; the message names the extra to install.
-    """
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as exc:
-        raise ImportError(
-            f"plotting needs matplotlib, which is not installed: {PLOT_EXTRA_HINT}"
-        ) from exc
+__all__ = ["write_plot"]
 
 
 def _median(fig: dict[str, Any] | None) -> float:

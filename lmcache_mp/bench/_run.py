@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache_mp import request
+from lmcache_mp._harness.agreement import Reference, agreement, greedy_reference
+from lmcache_mp._harness.progress import ProgressLine
 from lmcache_mp._util.paths import shm_root
 from lmcache_mp.batch import LMCacheBatchedStream
-from lmcache_mp.bench._agreement import Reference, agreement, greedy_reference
 from lmcache_mp.bench._config import AUTO_UNHINTED, BenchConfig
 from lmcache_mp.bench._engines import executor_for, fresh_store_url
-from lmcache_mp.bench._monitor import PeakMemory, ProgressLine
+from lmcache_mp.bench._monitor import PeakMemory
 from lmcache_mp.bench._unhinted import Unhinted
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.edits import KIND_EDITS, Edit
@@ -89,7 +90,7 @@ class RunFigures:
         phases: Figures per phase name.
         outputs: Each stream's generated token ids, in prompt order.
         agreement: The edit's agreement with the uncompressed run
-            (:func:`~lmcache_mp.bench._agreement.agreement`), where it was
+            (:func:`~lmcache_mp._harness.agreement.agreement`), where it was
             measured.
         arena_bytes: Bytes of the store's arena.
         arena_fill_s: Seconds to connect the store and write its arena,

@@ -8,7 +8,8 @@ from typing import Any
 
 from tabulate import tabulate
 
-from lmcache_mp.bench._config import SYNTHETIC, TOY
+from lmcache_mp._harness.options import TOY
+from lmcache_mp.bench._config import SYNTHETIC
 from lmcache_mp.bench._figures import BASIS_SERIAL
 from lmcache_mp.kv import resolve_dtype
 

@@ -10,9 +10,9 @@ from typing import Any
 
 from tabulate import tabulate
 
+from lmcache_mp._harness.options import require_matplotlib
 from lmcache_mp._util.paths import atomic_write_text
-from lmcache_mp.bench._eval_config import EvalConfig
-from lmcache_mp.bench._plot import require_matplotlib
+from lmcache_mp.eval._config import EvalConfig
 
 __all__ = ["EVAL_SCHEMA", "EvalResult", "EvalRow"]
 

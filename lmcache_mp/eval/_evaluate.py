@@ -22,19 +22,19 @@ from typing import Any
 import numpy as np
 
 from lmcache_mp import request
-from lmcache_mp.batch import LMCacheBatchedStream
-from lmcache_mp.bench._agreement import Reference, agreement, top1_agreement
-from lmcache_mp.bench._eval_config import EvalConfig
-from lmcache_mp.bench._eval_engine import EvalEngine, open_engine, served_engine
-from lmcache_mp.bench._eval_prompts import (
+from lmcache_mp._harness.agreement import Reference, agreement, top1_agreement
+from lmcache_mp._harness.progress import ProgressLine
+from lmcache_mp._harness.prompts import (
     Passkey,
     document_prompts,
     passkey_prompts,
 )
-from lmcache_mp.bench._eval_table import EvalResult, EvalRow
-from lmcache_mp.bench._monitor import ProgressLine
+from lmcache_mp.batch import LMCacheBatchedStream
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.edits import KIND_EDITS, Edit, make_edit
+from lmcache_mp.eval._config import EvalConfig
+from lmcache_mp.eval._engine import EvalEngine, open_engine, served_engine
+from lmcache_mp.eval._table import EvalResult, EvalRow
 from lmcache_mp.kv import KVStore, connect
 
 __all__ = ["EDIT_PARAMS", "evaluate"]

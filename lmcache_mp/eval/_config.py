@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache_mp.bench._config import check_count
+from lmcache_mp._harness.options import check_count
 from lmcache_mp.edits import EDITS, KIND_EDITS
 
 __all__ = ["EVAL_EDITS", "EVAL_EXECUTORS", "EvalConfig"]

@@ -6,12 +6,18 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from lmcache_mp.bench._cli import _check_path, _fraction, _int, _int_at_least, _names
-from lmcache_mp.bench._eval import evaluate
-from lmcache_mp.bench._eval_config import EVAL_EDITS, EVAL_EXECUTORS, EvalConfig
-from lmcache_mp.bench._plot import require_matplotlib
+from lmcache_mp._harness.options import (
+    add_int,
+    check_path,
+    fraction,
+    int_at_least,
+    name_list,
+    require_matplotlib,
+)
 from lmcache_mp.edits import EDITS, KIND_EDITS
 from lmcache_mp.errors import LMCacheError
+from lmcache_mp.eval._config import EVAL_EDITS, EVAL_EXECUTORS, EvalConfig
+from lmcache_mp.eval._evaluate import evaluate
 
 __all__ = ["add_eval_parser", "eval_config_from_args", "run_eval_command"]
 
@@ -25,7 +31,7 @@ def _fractions(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(
             f"expected fractions in (0, 1] separated by commas, got {text!r}"
         )
-    return tuple(_fraction(part) for part in parts)
+    return tuple(fraction(part) for part in parts)
 
 
 def add_eval_parser(
@@ -41,7 +47,7 @@ def add_eval_parser(
     """
     d = _DEFAULTS
     known = sorted({*EDITS, *KIND_EDITS})
-    edits: Callable[[str], tuple[str, ...]] = _names("edit", known)
+    edits: Callable[[str], tuple[str, ...]] = name_list("edit", known)
     p = subparsers.add_parser(
         "eval",
         help="what each edit keeps of a model's output, at each budget",
@@ -70,8 +76,8 @@ def add_eval_parser(
         help="comma-separated fractions of the prompt's tokens to keep "
         f"(default: {','.join(f'{k:g}' for k in d.keeps)})",
     )
-    _int(p, "--continuation", 1, d.continuation, "tokens scored after each document")
-    _int(p, "--prompts", 1, d.prompts, "documents, and as many passkey haystacks")
+    add_int(p, "--continuation", 1, d.continuation, "tokens scored after each document")
+    add_int(p, "--prompts", 1, d.prompts, "documents, and as many passkey haystacks")
     p.add_argument(
         "--executor",
         choices=EVAL_EXECUTORS,
@@ -86,15 +92,15 @@ def add_eval_parser(
     )
     p.add_argument(
         "--workers",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=None,
         metavar="N",
         help="worker processes (default: physical cores)",
     )
-    _int(p, "--chunk-size", 1, d.chunk_size, "tokens per KV store chunk")
+    add_int(p, "--chunk-size", 1, d.chunk_size, "tokens per KV store chunk")
     p.add_argument(
         "--haystack-lines",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=d.haystack_lines,
         metavar="N",
         help=f"filler lines per passkey haystack (default: {d.haystack_lines})",
@@ -107,7 +113,7 @@ def add_eval_parser(
         "(default: each edit's own default; streamingllm's is on)",
     )
     p.add_argument(
-        "--seed", type=_int_at_least(0), default=d.seed, help="seed of the passkeys"
+        "--seed", type=int_at_least(0), default=d.seed, help="seed of the passkeys"
     )
     p.add_argument(
         "--server",
@@ -142,8 +148,8 @@ def eval_config_from_args(
     Returns:
         The config.
     """
-    _check_path(parser, "--json", args.json)
-    _check_path(parser, "--plot", args.plot)
+    check_path(parser, "--json", args.json)
+    check_path(parser, "--plot", args.plot)
     if args.plot is not None:
         try:
             require_matplotlib()

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache_mp.bench._config import TOY
+from lmcache_mp._harness.options import TOY
 from lmcache_mp.edits import AttentionConfig
 from lmcache_mp.engine import EmbeddedEngine, HFEngine
 from lmcache_mp.engine.http.openai import post_completion, served_models

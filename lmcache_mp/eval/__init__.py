@@ -1,0 +1,29 @@
+"""The evaluation behind ``lmcache-mp eval``: what each edit keeps of a
+model's output at each budget, beside its modify time.
+
+The uncompressed run's greedy continuation of each document is the
+reference; every edit at every keep is scored teacher-forced along it
+(top-1 agreement and KL), and its passkey haystacks are decoded greedily::
+
+    from lmcache_mp.eval import EvalConfig, evaluate
+
+    result = evaluate(EvalConfig(edits=("snapkv", "knorm"), keeps=(0.25, 0.5)))
+    print(result.format())
+
+See ``docs/eval.md`` for the tasks and the JSON schema (``EVAL_SCHEMA``).
+"""
+
+from lmcache_mp.eval._cli import add_eval_parser, run_eval_command
+from lmcache_mp.eval._config import EvalConfig
+from lmcache_mp.eval._evaluate import evaluate
+from lmcache_mp.eval._table import EVAL_SCHEMA, EvalResult, EvalRow
+
+__all__ = [
+    "EVAL_SCHEMA",
+    "EvalConfig",
+    "EvalResult",
+    "EvalRow",
+    "add_eval_parser",
+    "evaluate",
+    "run_eval_command",
+]
