@@ -7,6 +7,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from lmcache_mp._util import tracker
+
 __all__ = ["atomic_write_text", "private_tempdir", "remove_tree", "shm_root"]
 
 
@@ -22,7 +24,9 @@ def shm_root() -> str:
 
 
 def private_tempdir(prefix: str) -> str:
-    """Create a fresh directory only the current user can access (0700).
+    """Create a fresh directory only the current user can access (0700),
+    removed when this process dies unless :func:`remove_tree` removes it
+    first (:mod:`lmcache_mp._util.tracker`).
 
     Args:
         prefix: Start of the directory's name; it should contain
@@ -31,14 +35,18 @@ def private_tempdir(prefix: str) -> str:
     Returns:
         The directory's path.
     """
-    # mkdtemp creates the directory with mode 0700 atomically.
-    return tempfile.mkdtemp(prefix=prefix, dir=shm_root())
+    # mkdtemp creates the directory with mode 0700 atomically; the tracker
+    # removes it should this process die before remove_tree does.
+    path = tempfile.mkdtemp(prefix=prefix, dir=shm_root())
+    tracker.register(path)
+    return path
 
 
 def remove_tree(path: str | None) -> None:
     """Remove a directory tree; a missing one is fine (safe to call twice)."""
     if path is not None:
         shutil.rmtree(path, ignore_errors=True)
+        tracker.unregister(path)
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import psutil
 
+from lmcache_mp._util import tracker
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError, KVStoreSecurityError
 from lmcache_mp.kv._pins import PinOwner, same_process
@@ -375,6 +376,10 @@ class DirHandle:
         # inherits the finalizer but must not delete its parent's store.
         self.owner_pid = os.getpid() if owner else None
         self.fd: int | None = None
+        if owner:
+            # Registered before the directory exists, so that no death of
+            # the owner, even during the creation, leaves it behind.
+            tracker.register(path)
 
     def release(self) -> None:
         """Close the descriptor; safe to call twice."""
@@ -387,6 +392,7 @@ class DirHandle:
         self.release()
         if self.owner_pid == os.getpid():
             remove_store_dir(self.path)
+            tracker.unregister(self.path)
 
 
 #: Files whose pages wait for reuse start with this.
