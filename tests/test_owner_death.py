@@ -41,7 +41,8 @@ OWNER = textwrap.dedent(
     def reached(moment):
         if moment != MOMENT:
             return
-        print(moment, flush=True)
+        # One write per line: both workers may reach the moment at once.
+        os.write(1, (moment + "\\n").encode())
         if HOW == "os._exit":
             os._exit(3)
         if HOW == "exception":

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from lmcache_mp._util import tracker
+from lmcache_mp._util.proc import process_started
 
 __all__ = ["atomic_write_text", "private_tempdir", "remove_tree", "shm_root"]
 
@@ -37,7 +38,11 @@ def private_tempdir(prefix: str) -> str:
     """
     # mkdtemp creates the directory with mode 0700 atomically; the tracker
     # removes it should this process die before remove_tree does.
-    path = tempfile.mkdtemp(prefix=prefix, dir=shm_root())
+    # The owner's pid and start time follow the prefix, so that a reaper
+    # can tell a dead owner's directory from a live one's.
+    pid = os.getpid()
+    owner = f"{pid}-{process_started(pid) or 0}-"
+    path = tempfile.mkdtemp(prefix=prefix + owner, dir=shm_root())
     tracker.register(path)
     return path
 

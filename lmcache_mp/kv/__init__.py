@@ -3,7 +3,14 @@ store (``redis`` itself is imported only when one is first used), and a
 real LMCache server's context (``lmcache`` likewise)."""
 
 from lmcache_mp.kv._chunk import chunk_file_size
-from lmcache_mp.kv._connect import KVStore, connect
+from lmcache_mp.kv._connect import (
+    KVStore,
+    StoreInfo,
+    connect,
+    list_stores,
+    reap_stores,
+    remove_store,
+)
 from lmcache_mp.kv._files import default_capacity
 from lmcache_mp.kv._layout import Layout, resolve_dtype
 from lmcache_mp.kv._lmcache import lmcache_context
@@ -27,11 +34,15 @@ __all__ = [
     "RedisKVStore",
     "SharedMemoryKVStore",
     "StagedChunks",
+    "StoreInfo",
     "StoreStats",
     "chunk_file_size",
     "connect",
     "default_capacity",
+    "list_stores",
     "lmcache_context",
     "pinning",
+    "reap_stores",
+    "remove_store",
     "resolve_dtype",
 ]

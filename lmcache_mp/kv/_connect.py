@@ -6,20 +6,36 @@ import getpass
 import os
 import re
 import secrets
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias, overload
 from urllib.parse import SplitResult, urlsplit
 
-from lmcache_mp._util.paths import shm_root
+from lmcache_mp._util.paths import remove_tree, shm_root
+from lmcache_mp._util.proc import process_started, same_process
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
-from lmcache_mp.errors import KVConfigError
-from lmcache_mp.kv._files import default_capacity
-from lmcache_mp.kv._layout import Layout, resolve_dtype
+from lmcache_mp.errors import KVConfigError, KVStoreError
+from lmcache_mp.kv._files import (
+    CHUNK_SUFFIX,
+    KIND_PREFIX,
+    default_capacity,
+    dir_usage,
+    open_store_dir,
+    remove_store_dir,
+)
+from lmcache_mp.kv._layout import LAYOUT_FILE, Layout, resolve_dtype
 from lmcache_mp.kv._redis import RedisKVStore
 from lmcache_mp.kv._shm import DEFAULT_CHUNK_SIZE, SharedMemoryKVStore
 
-__all__ = ["KVStore", "connect"]
+__all__ = [
+    "KVStore",
+    "StoreInfo",
+    "connect",
+    "list_stores",
+    "reap_stores",
+    "remove_store",
+]
 
 #: What ``connect`` opens: a store of one of the backends. Both have the
 #: same surface (retrieve, store, stage, for_kind, stats, close, destroy...).
@@ -246,7 +262,7 @@ def connect(
             return kv._open_kind(kind, layout)
     options = _Options(chunk_size, layout, capacity_bytes, arena_bytes)
     if url is None:
-        name = f"tmp-{secrets.token_hex(8)}"
+        name = temporary_name()
         return _open_dir(_shm_dir(name), f"shm:///{name}", options, owner=True)
     parts = urlsplit(url)
     opener = _OPENERS.get(parts.scheme.lower())
@@ -257,3 +273,208 @@ def connect(
             f"unsupported KV store URL {url!r} ({scheme}); supported: {supported}"
         )
     return opener(parts, url, options)
+
+
+def is_store_dir(path: str) -> bool:
+    """Whether a directory holds only what a store does: its layout, chunk
+    files, dot files (temp files, pins, marks) and kinds' subdirectories."""
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                name = entry.name
+                if name == LAYOUT_FILE or name.startswith("."):
+                    continue
+                if name.startswith(KIND_PREFIX) and entry.is_dir(follow_symlinks=False):
+                    continue
+                if name.endswith(CHUNK_SUFFIX) and entry.is_file(follow_symlinks=False):
+                    continue
+                return False
+    except OSError:
+        return False
+    return True
+
+
+# The stores on this machine: what ``lmcache-mp stores`` lists, reaps and
+# removes. A temporary store's name and a pool's private directories carry
+# their owner (pid and start time), so that a reaper can tell a dead
+# owner's from a live one's without opening anything.
+
+#: Private directories of process pools (``lmcache_mp._util.paths``).
+_POOL_PREFIXES = ("lmcache-mp-pool-", "lmcache-mp-claims-")
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    """One shared-memory store, as ``lmcache-mp stores`` lists it.
+
+    Args:
+        name: Its name (``shm:///NAME``), or its directory's name under a
+            ``--root``.
+        path: Its directory.
+        temporary: Whether it is a temporary store (``connect()`` with no
+            URL), removed with its owner.
+        bytes: The size of its chunk files.
+        chunks: How many chunks it holds (every kind).
+        owner_pid: A temporary store's owner (``None`` for a named one).
+        owner_alive: Whether that owner still runs (``None`` for a named
+            one).
+        pinned_bytes: Of ``bytes``, those pinned by live batches.
+        pinned_by: The live batches that pin them (``pid-started-batch``).
+        stale_pins: Pins left by batches whose process is gone.
+    """
+
+    name: str
+    path: str
+    temporary: bool
+    bytes: int
+    chunks: int
+    owner_pid: int | None
+    owner_alive: bool | None
+    pinned_bytes: int
+    pinned_by: tuple[str, ...]
+    stale_pins: int
+
+
+def temporary_name() -> str:
+    """A fresh temporary store's name, ``tmp-<pid>-<started>-<random>``."""
+    pid = os.getpid()
+    return f"tmp-{pid}-{process_started(pid) or 0}-{secrets.token_hex(8)}"
+
+
+def _owner(name: str, prefix: str) -> tuple[int, int] | None:
+    """``(pid, started)`` from ``<prefix><pid>-<started>-...``."""
+    parts = name[len(prefix) :].split("-")
+    if len(parts) < 3 or not (parts[0].isdigit() and parts[1].isdigit()):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def _store_dirs(root: str | None) -> list[tuple[str, str]]:
+    """``(name, path)`` of this user's store directories under ``root``
+    (default: the shared-memory root)."""
+    found = []
+    if root is None:
+        prefix = f"{_DIR_PREFIX}-{_user()}-"
+        base = shm_root()
+    else:
+        prefix, base = "", root
+    with os.scandir(base) as entries:
+        for entry in entries:
+            if not entry.name.startswith(prefix) or entry.name.startswith(
+                _POOL_PREFIXES
+            ):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            mine = stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+            if mine and is_store_dir(entry.path):
+                found.append((entry.name[len(prefix) :], entry.path))
+    return sorted(found)
+
+
+def _info(name: str, path: str, reap_pins: bool) -> StoreInfo | None:
+    try:
+        fd = open_store_dir(path, create=False)
+    except KVStoreError:
+        return None
+    try:
+        usage = dir_usage(fd, reap_pins)
+    finally:
+        os.close(fd)
+    owner = _owner(name, "tmp-") if name.startswith("tmp-") else None
+    temporary = name.startswith("tmp-")
+    return StoreInfo(
+        name=name,
+        path=path,
+        temporary=temporary,
+        bytes=usage.bytes,
+        chunks=usage.chunks,
+        owner_pid=owner[0] if owner else None,
+        owner_alive=same_process(*owner) if owner else None,
+        pinned_bytes=usage.pinned_bytes,
+        pinned_by=usage.pinned_by,
+        stale_pins=usage.stale_pins,
+    )
+
+
+def list_stores(root: str | None = None) -> list[StoreInfo]:
+    """This user's shared-memory stores, by name.
+
+    Args:
+        root: A directory whose subdirectories are ``file://`` stores
+            (default: the shared-memory root and its ``shm:///`` stores).
+
+    Returns:
+        One :class:`StoreInfo` per store; nothing is changed.
+    """
+    infos = (_info(name, path, reap_pins=False) for name, path in _store_dirs(root))
+    return [info for info in infos if info is not None]
+
+
+def reap_stores(root: str | None = None, act: bool = False) -> list[str]:
+    """Find, and with ``act`` remove, what dead processes left: temporary
+    stores and pools' private directories whose owner is gone, and the
+    pins of batches whose process is gone (in every store). A live owner's
+    store, and every named store, stays.
+
+    Args:
+        root: As for :func:`list_stores`.
+        act: Remove what is found (else a dry run).
+
+    Returns:
+        What was (or would be) removed: directory paths, and
+        ``"<path>: N stale pins"`` lines.
+    """
+    found: list[str] = []
+    for name, path in _store_dirs(root):
+        owner = _owner(name, "tmp-") if name.startswith("tmp-") else None
+        if owner is not None and not same_process(*owner):
+            found.append(path)
+            if act:
+                remove_store_dir(path)
+            continue
+        info = _info(name, path, reap_pins=act)
+        if info is not None and info.stale_pins:
+            found.append(f"{path}: {info.stale_pins} stale pins")
+    if root is None:
+        with os.scandir(shm_root()) as entries:
+            pools = [e for e in entries if e.name.startswith(_POOL_PREFIXES)]
+        for entry in sorted(pools, key=lambda e: e.name):
+            prefix = next(p for p in _POOL_PREFIXES if entry.name.startswith(p))
+            owner = _owner(entry.name, prefix)
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            mine = stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+            if mine and owner is not None and not same_process(*owner):
+                found.append(entry.path)
+                if act:
+                    remove_tree(entry.path)
+    return found
+
+
+def remove_store(name: str, root: str | None = None) -> str:
+    """Destroy the store ``name`` (``shm:///NAME``, or a directory under
+    ``root``), as :meth:`SharedMemoryKVStore.destroy` does.
+
+    Returns:
+        The removed directory.
+
+    Raises:
+        KVConfigError: If ``name`` is not a store name.
+        KVStoreSecurityError: If the directory is not the current user's, is
+            a symlink or lets others in; nothing is removed.
+        KVStoreError: If there is no such store, or the directory holds
+            files a store does not; nothing is removed.
+    """
+    if not _NAME.fullmatch(name):
+        raise KVConfigError(f"bad store name {name!r}")
+    path = _shm_dir(name) if root is None else os.path.join(root, name)
+    os.close(open_store_dir(path, create=False))
+    if not is_store_dir(path):
+        raise KVStoreError(f"{path}: not a KV store (it holds other files)")
+    remove_store_dir(path)
+    return path

@@ -44,21 +44,25 @@ from typing import NamedTuple
 import psutil
 
 from lmcache_mp._util import tracker
+from lmcache_mp._util.proc import same_process
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import KVStoreError, KVStoreSecurityError
-from lmcache_mp.kv._pins import PinOwner, same_process
+from lmcache_mp.kv._pins import PinOwner
 from lmcache_mp.kv._stats import Room, lru_victims
 
 __all__ = [
     "CHUNK_SUFFIX",
     "FREE_PREFIX",
+    "KIND_PREFIX",
     "TEMP_PREFIX",
     "ChunkEntry",
     "DirHandle",
+    "DirUsage",
     "Usage",
     "claim",
     "clear_evicted",
     "default_capacity",
+    "dir_usage",
     "is_evicted",
     "kind_location",
     "list_chunks",
@@ -339,7 +343,7 @@ def remove_store_dir(path: str) -> None:
 
 
 #: Prefix of the subdirectory of a store that holds another kind's chunks.
-_KIND_DIR = "kind-"
+KIND_PREFIX = "kind-"
 
 
 def kind_location(
@@ -363,7 +367,7 @@ def kind_location(
         path, url = os.path.dirname(path), url.rsplit("#", 1)[0]
     if wanted is LMCacheSDKCacheKind.KV:
         return path, url
-    return os.path.join(path, f"{_KIND_DIR}{wanted.value}"), f"{url}#{wanted.value}"
+    return os.path.join(path, f"{KIND_PREFIX}{wanted.value}"), f"{url}#{wanted.value}"
 
 
 class DirHandle:
@@ -568,6 +572,61 @@ def _read(dir_fd: int, pin: str) -> set[str]:
         return set()
     with os.fdopen(fd, "r") as fh:
         return set(fh.read().split())
+
+
+class DirUsage(NamedTuple):
+    """What a store directory holds, every kind counted."""
+
+    chunks: int
+    bytes: int
+    pinned_bytes: int
+    #: The live batches that pin chunks (``pid-started-batch``).
+    pinned_by: tuple[str, ...]
+    #: Pins of batches whose process is gone.
+    stale_pins: int
+
+
+def dir_usage(dir_fd: int, reap_pins: bool = False) -> DirUsage:
+    """Count a store's chunks and pins, its kinds' subdirectories included.
+
+    Args:
+        dir_fd: The store directory (its KV kind).
+        reap_pins: Also remove the pins of dead batches.
+    """
+    chunks = nbytes = pinned_bytes = stale = 0
+    batches: set[str] = set()
+    fds = [dir_fd]
+    with scan_dir(dir_fd) as entries:
+        kinds = [
+            e.name for e in entries if e.name.startswith(KIND_PREFIX) and e.is_dir()
+        ]
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    for kind in kinds:
+        with contextlib.suppress(OSError):
+            fds.append(os.open(kind, flags, dir_fd=dir_fd))
+    try:
+        for fd in fds:
+            found = list_chunks(fd)
+            chunks += len(found)
+            nbytes += sum(c.size for c in found)
+            with scan_dir(fd) as entries:
+                pins = [e.name for e in entries if e.name.startswith(_PIN)]
+            pinned: set[str] = set()
+            for pin in pins:
+                owner = _owner_of(pin)
+                if owner is None or not same_process(*owner):
+                    stale += 1
+                    if reap_pins:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(pin, dir_fd=fd)
+                    continue
+                batches.add("-".join(pin[len(_PIN) :].split("-")[:3]))
+                pinned |= _read(fd, pin)
+            pinned_bytes += sum(c.size for c in found if c.name in pinned)
+    finally:
+        for fd in fds[1:]:
+            os.close(fd)
+    return DirUsage(chunks, nbytes, pinned_bytes, tuple(sorted(batches)), stale)
 
 
 def mark_evicted(dir_fd: int, names: Iterable[str]) -> None:

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import psutil
+from lmcache_mp._util.proc import process_started
 
 __all__ = [
     "DEFAULT_LEASE_S",
@@ -30,13 +30,9 @@ __all__ = [
     "PinScope",
     "current_scope",
     "pinning",
-    "process_started",
-    "same_process",
 ]
 
-# Hundredths of a second a wall-clock start time may drift as read (where
-# there is no /proc to give the clock ticks since boot).
-_START_SLACK = 200
+
 #: Seconds a Redis pin lives unless its batch renews it.
 DEFAULT_LEASE_S = 600.0
 
@@ -73,44 +69,6 @@ class PinOwner:
             return tag
         digest = hashlib.blake2b(stream_id.encode(), digest_size=8).hexdigest()
         return f"{tag}-{digest}"
-
-
-def same_process(pid: int, started: int) -> bool:
-    """Whether process ``pid`` runs and started at ``started``.
-
-    A reused pid starts later. On Linux the start time is the kernel's
-    clock ticks since boot, which no clock step moves; elsewhere it is wall
-    clock time, compared with some slack.
-    """
-    now = process_started(pid)
-    return now is not None and abs(now - started) <= _START_SLACK
-
-
-def process_started(pid: int) -> int | None:
-    """The start time of process ``pid`` as :attr:`PinOwner.started` holds
-    it, or ``None`` when there is no such process.
-
-    On Linux, ``starttime`` of ``/proc/PID/stat``: clock ticks from boot to
-    the process's start. psutil's ``create_time`` adds the boot time, which
-    moves with every step of the wall clock: a pin read after a step of
-    more than the slack would make a live batch's pin look orphaned, and
-    drop it.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            line = stat.read()
-    except FileNotFoundError:
-        return None
-    except OSError:
-        line = b""
-    if line:
-        # The command name may hold spaces and parentheses: fields start
-        # after its last ')'; starttime is field 22, the 20th after it.
-        return int(line[line.rindex(b")") + 2 :].split()[19])
-    try:
-        return round(psutil.Process(pid).create_time() * 100)
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
-        return None
 
 
 @dataclass(frozen=True)
