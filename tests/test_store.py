@@ -775,3 +775,13 @@ def test_a_commit_whose_staging_is_gone_keeps_the_old_kv(
         staged.commit()
     np.testing.assert_array_equal(bits(ctx.retrieve(TOKENS)), bits(kv_of(TOKENS)))
     assert staged_names(ctx) == []
+
+
+def test_free_bytes_never_exceed_the_filesystems_free_space(
+    stores: StoreFactory,
+) -> None:
+    """A capacity larger than the filesystem: ``stats().free_bytes`` is the
+    filesystem's free space, not what the capacity would allow."""
+    kv = stores.connect(capacity_bytes=1 << 60)
+    fs = os.statvfs(kv.path)
+    assert 0 < kv.stats().free_bytes <= fs.f_bavail * fs.f_frsize + (64 << 20)

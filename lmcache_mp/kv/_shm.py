@@ -159,18 +159,24 @@ def store_stats(dir_fd: int, counts: Counters, capacity: int) -> StoreStats:
 
     Returns:
         The stats: chunk files and bytes, pinned bytes, and the free bytes
-        (capacity less the chunks and the free files kept for reuse).
+        (capacity less the chunks and the free files kept for reuse, at
+        most what the filesystem has free plus those files).
     """
     entries = list_chunks(dir_fd)
     pinned = live_pins(dir_fd)
     used = sum(e.size for e in entries)
     spare = sum(e.size for e in list_free(dir_fd))
+    # A capacity may exceed what the filesystem has left (other stores and
+    # programs share a tmpfs): new chunks fit in its free pages and in the
+    # free files kept for reuse, whichever the capacity allows.
+    fs = os.fstatvfs(dir_fd)
+    room = fs.f_bavail * fs.f_frsize + spare
     return counts.snapshot(
         len(entries),
         used,
         capacity_bytes=capacity,
         pinned_bytes=sum(e.size for e in entries if e.name in pinned),
-        free_bytes=max(0, capacity - used - spare),
+        free_bytes=max(0, min(capacity - used - spare, room)),
     )
 
 

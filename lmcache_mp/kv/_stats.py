@@ -92,8 +92,9 @@ class StoreStats:
         pinned_bytes: Of ``bytes``, those pinned by the streams of open
             batches: never evicted.
         evicted_bytes: Bytes of the chunks this handle evicted.
-        free_bytes: Bytes still free before the capacity (0 when unbounded
-            or unknown).
+        free_bytes: Bytes still free before the capacity, and on a
+            shared-memory store at most what its filesystem has free (0
+            when unbounded or unknown).
     """
 
     chunks: int
