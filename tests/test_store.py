@@ -785,3 +785,59 @@ def test_free_bytes_never_exceed_the_filesystems_free_space(
     kv = stores.connect(capacity_bytes=1 << 60)
     fs = os.statvfs(kv.path)
     assert 0 < kv.stats().free_bytes <= fs.f_bavail * fs.f_frsize + (64 << 20)
+
+
+def _full_once(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make the next chunk write fail with ENOSPC, as a full tmpfs does;
+    return the list that counts the failures."""
+    import errno
+
+    import lmcache_mp.kv._chunk as chunk_module
+
+    put = chunk_module._put
+    failures: list[int] = []
+
+    def full_once(*args: object) -> None:
+        if not failures:
+            failures.append(1)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        put(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(chunk_module, "_put", full_once)
+    return failures
+
+
+def test_a_full_filesystem_evicts_unpinned_chunks_before_it_fails(
+    stores: StoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC below the capacity: the store evicts its least recently used
+    unpinned chunk, writes the new one, and counts the eviction."""
+    kv = stores.connect(chunk_size=4)
+    old, new = [1, 2, 3, 4], [5, 6, 7, 8]
+    kv.store(np.ones((2, 1, 4, 2), np.float32), old)
+    failures = _full_once(monkeypatch)
+    kv.store(np.full((2, 1, 4, 2), 2.0, np.float32), new)
+    assert failures == [1]
+    assert kv.retrieve(old) is None
+    got = kv.retrieve(new)
+    assert got is not None and (got == 2.0).all()
+    assert kv.stats().evictions == 1
+
+
+def test_a_full_filesystem_never_evicts_a_pinned_chunk(
+    stores: StoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC when every other chunk is pinned: the write fails with a
+    ``KVStoreError`` naming the cause, and the pinned chunk stays."""
+    kv = stores.connect(chunk_size=4)
+    old, new = [1, 2, 3, 4], [5, 6, 7, 8]
+    owner = PinOwner.new()
+    with pinning(owner, "kept"):
+        kv.store(np.ones((2, 1, 4, 2), np.float32), old)
+    _full_once(monkeypatch)
+    try:
+        with pytest.raises(KVStoreError, match="No space left"):
+            kv.store(np.ones((2, 1, 4, 2), np.float32), new)
+        assert kv.retrieve(old) is not None
+    finally:
+        kv.unpin(owner)

@@ -11,6 +11,7 @@ of the directory (:mod:`~lmcache_mp.kv._files`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 import time
@@ -52,6 +53,7 @@ from lmcache_mp.kv._files import (
     DirHandle,
     Usage,
     clear_evicted,
+    evict_lru,
     is_evicted,
     kind_location,
     list_chunks,
@@ -741,20 +743,39 @@ class SharedMemoryKVStore(StoreHandle):
                 self._usage.capacity,
                 "Raise it with connect(url, capacity_bytes=...)",
             )
+        chunks = [(i, names[i], keys[i]) for i in missing + rewrite]
+        stage_for = None if publish else _publisher(scope)
         try:
-            moves = write_chunks(
-                fd,
-                self._path,
-                self._counts,
-                arr,
-                layout,
-                size,
-                [(i, names[i], keys[i]) for i in missing + rewrite],
-                None if publish else _publisher(scope),
-            )
+            try:
+                moves = write_chunks(
+                    fd, self._path, self._counts, arr, layout, size, chunks, stage_for
+                )
+            except KVStoreError as exc:
+                # The filesystem is full below the capacity (other stores or
+                # programs share it): make the room from this store's least
+                # recently used unpinned chunks, as the capacity would, and
+                # write once more.
+                if not (
+                    isinstance(exc.__cause__, OSError)
+                    and exc.__cause__.errno == errno.ENOSPC
+                    and self._evict_for(fd, len(chunks) * file_size, frozenset(names))
+                ):
+                    raise
+                moves = write_chunks(
+                    fd, self._path, self._counts, arr, layout, size, chunks, stage_for
+                )
         finally:
             self._usage.written(len(missing) * file_size)
         return True, moves
+
+    def _evict_for(self, fd: int, need: int, keep: frozenset[str]) -> bool:
+        """Evict least recently used unpinned chunks (free files first)
+        until ``need`` more bytes fit in what the store uses now; return
+        whether anything went."""
+        used = sum(e.size for e in list_chunks(fd)) + sum(e.size for e in list_free(fd))
+        evicted, freed, left, _ = evict_lru(fd, need, used, keep)
+        self._counts.add(evictions=evicted, evicted_bytes=freed)
+        return left < used
 
     def sweep(self, owner: PinOwner | None = None) -> int:
         """Remove the temp files of writers that died mid-write and the
