@@ -841,3 +841,51 @@ def test_a_full_filesystem_never_evicts_a_pinned_chunk(
         assert kv.retrieve(old) is not None
     finally:
         kv.unpin(owner)
+
+
+def test_a_full_filesystem_evicts_an_unpinned_chunk_to_pin(
+    stores: StoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC while a batch pins its streams: the store gives back the pages
+    of its least recently used unpinned chunk, pins once more, and leaves
+    no half-written pin behind."""
+    import errno
+
+    kv = stores.connect(chunk_size=4)
+    old, new = [1, 2, 3, 4], [5, 6, 7, 8]
+    kv.store(np.ones((2, 1, 4, 2), np.float32), old)
+    kv.store(np.ones((2, 1, 4, 2), np.float32), new)
+    os.utime(RawChunks(kv, old)._name(0), ns=(1, 1))  # the least recent
+    fdopen = os.fdopen
+    failures: list[int] = []
+
+    class Full:
+        def __init__(self, fh: object) -> None:
+            self._fh = fh
+
+        def __enter__(self) -> Full:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self._fh.close()  # type: ignore[attr-defined]
+
+        def write(self, text: str) -> int:
+            failures.append(1)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_once(fd: int, *args: object, **kwargs: object) -> object:
+        fh = fdopen(fd, *args, **kwargs)  # type: ignore[call-overload]
+        return fh if failures else Full(fh)
+
+    monkeypatch.setattr(os, "fdopen", full_once)
+    owner = PinOwner.new()
+    kv.pin(owner, "s", new)
+    monkeypatch.undo()
+    try:
+        assert failures == [1]
+        assert kv.retrieve(old) is None
+        assert kv.retrieve(new) is not None
+        assert not [p for p in os.listdir(kv.path) if p.startswith("tmp-")]
+        assert kv.stats().pinned_bytes == kv.stats().bytes > 0
+    finally:
+        kv.unpin(owner)

@@ -517,11 +517,17 @@ def write_pin(
         return
     tmp, fd = open_temp(dir_fd)
     try:
-        with os.fdopen(fd, "w", closefd=False) as fh:
-            fh.write("\n".join(sorted(wanted)))
-    finally:
-        os.close(fd)
-    os.replace(tmp, pin, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        try:
+            with os.fdopen(fd, "w", closefd=False) as fh:
+                fh.write("\n".join(sorted(wanted)))
+        finally:
+            os.close(fd)
+        os.replace(tmp, pin, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        # A full filesystem fails the write: the half-written pin goes.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
 
 
 def remove_pins(dir_fd: int, owner: PinOwner, stream_id: str | None = None) -> None:

@@ -60,6 +60,7 @@ from lmcache_mp.kv._files import (
     list_free,
     live_pins,
     open_store_dir,
+    remove_free,
     remove_pins,
     remove_stale_temps,
     remove_store_dir,
@@ -849,10 +850,30 @@ class SharedMemoryKVStore(StoreHandle):
             KVStoreError: If the store is closed or the pin cannot be written.
         """
         fd = self._dir_fd()
+        names = self._names(tokens, cache_salt)
         try:
-            write_pin(fd, owner, stream_id, self._names(tokens, cache_salt), False)
+            try:
+                write_pin(fd, owner, stream_id, names, False)
+            except OSError as exc:
+                # A full filesystem: give pages back from what no batch
+                # holds, as a chunk write does, and pin once more.
+                if exc.errno != errno.ENOSPC or not self._give_pages_back(
+                    fd, frozenset(names)
+                ):
+                    raise
+                write_pin(fd, owner, stream_id, names, False)
         except OSError as exc:
             raise KVStoreError(f"{self._url}: cannot pin KV: {exc}") from exc
+
+    def _give_pages_back(self, fd: int, keep: frozenset[str]) -> bool:
+        """Return pages to the filesystem: the free files kept for reuse,
+        else the least recently used unpinned chunk's; whether any went."""
+        if not list_free(fd):
+            self._evict_for(fd, 1, keep)
+        free = list_free(fd)
+        for entry in free:
+            remove_free(fd, entry.name)
+        return bool(free)
 
     def unpin(self, owner: PinOwner, stream_id: str | None = None) -> None:
         """Release the pins of one stream of a batch, or all of the batch's.
