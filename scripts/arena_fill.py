@@ -1,5 +1,4 @@
-"""How a store's arena should prepare its pages, side by side in one run
-(issue #20).
+"""How a store's arena should prepare its pages, side by side in one run.
 
 An arena (``connect(arena_bytes=...)``) makes chunk files before a phase
 so that the phase's writes go over pages already there. This measures,

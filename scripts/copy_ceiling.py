@@ -1,5 +1,5 @@
 """What the machine lets a store's copies reach, on one core and on two at
-once, side by side in one run (issue #20).
+once, side by side in one run.
 
 ``python scripts/copy_ceiling.py`` runs, for a few seconds each, in one
 process and then in ``--procs`` processes at once, each in 32 MiB pieces

@@ -1,4 +1,4 @@
-"""The real-model figures of the README (issue #19): SmolLM2-135M on a
+"""The real-model figures of docs/models.md: SmolLM2-135M on a
 2-worker process pool, prefill tokens/s, decode ms/token, and the PSS of the
 parent and its workers with the model loaded, against their RSS and the
 weights' size. One run, printed as measured::

@@ -1,5 +1,5 @@
 """Store and retrieve speed of the shared-memory KV store at real KV sizes,
-side by side with a single-core memcpy measured in the same run (issue #20).
+side by side with a single-core memcpy measured in the same run.
 
 ``python scripts/store_speed.py`` stores, retrieves and overwrites (stages)
 one stream of Llama-3-8B's KV (bf16, 32 layers x 8 KV heads x 128, 4,096
@@ -7,7 +7,8 @@ tokens: 512 MiB) several times, each time with new tokens, and prints the
 GB/s of each operation and its ratio to memcpy. Options: ``--tokens``,
 ``--layers``, ``--width``, ``--dtype``, ``--rounds``, and ``--arena GIB``
 (an arena of that size, which the process then keeps mapped: compare
-``--arena 0`` with ``--arena 8``).
+``--arena 0`` with ``--arena 8``), ``--each`` (every round's rates, and
+what the store holds by then).
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--arena", type=float, default=0.0, help="GiB")
+    parser.add_argument(
+        "--each", action="store_true", help="print every round's rates too"
+    )
     args = parser.parse_args()
     dtype = resolve_dtype(args.dtype)
     shape = (2, args.layers, args.tokens, args.width)
@@ -63,6 +67,13 @@ def main() -> None:
             staged = store.stage(kv, tokens)
             figures["overwrite"].append(time.perf_counter() - start)
             staged.discard()
+            if args.each:
+                rates = "  ".join(
+                    f"{name} {nbytes / times[-1] / 1e9:5.2f}"
+                    for name, times in figures.items()
+                )
+                used = store.stats().bytes / 2**30
+                print(f"round {index + 1}: GB/s {rates}; store holds {used:.2f} GiB")
         capacity = store.capacity_bytes
     print(
         f"KV per stream: {nbytes / 2**20:.0f} MiB ({args.dtype}, {shape}); "
