@@ -129,6 +129,50 @@ def test_a_cache_hit_gives_the_tokens_of_a_cold_run(
     assert stats.computed_tokens == 2 * len(prompt) - warm[2]
 
 
+def test_decoding_keeps_the_generated_tokens_kv_and_queries(
+    model_engine: HFEngine, stores: tuple[KVStore, KVStore]
+) -> None:
+    """After a decode the store holds the KV and queries of prompt +
+    generated tokens up to the last full chunk, within float tolerance of a
+    cold prefill of the same tokens, and decoding on from that cache gives
+    the cold run's greedy tokens."""
+    kv_ctx, q_ctx = stores
+    engine = engine_over(model_engine, kv_ctx, q_ctx)
+    prompt = engine.encode(TEXT, chat=False)
+    generated, _, _ = run(engine, prompt, {**GREEDY, "max_tokens": 40})
+    tokens = prompt + generated
+    # The last token sampled was never run through the model: no KV.
+    cached = (len(tokens) - 1) // CHUNK * CHUNK
+    assert cached > len(prompt) // CHUNK * CHUNK
+    kv, queries = kv_ctx.retrieve(tokens), q_ctx.retrieve(tokens)
+    assert kv is not None and queries is not None
+    assert kv.shape[2] == queries.shape[2] == cached
+    with connect(chunk_size=CHUNK) as cold_ctx, cold_ctx.for_kind(QUERY) as cold_q:
+        cold = engine_over(model_engine, cold_ctx, cold_q)
+        cold_tokens = run(cold, tokens, GREEDY)
+        ref_kv, ref_queries = cold_ctx.retrieve(tokens), cold_q.retrieve(tokens)
+    assert ref_kv is not None and ref_queries is not None
+    np.testing.assert_allclose(kv, ref_kv[:, :, :cached], rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(
+        queries, ref_queries[:, :, :cached], rtol=1e-3, atol=1e-3
+    )
+    warm_tokens = run(engine, tokens, GREEDY)
+    assert warm_tokens[2] == cached
+    assert warm_tokens[:2] == cold_tokens[:2]
+
+
+def test_save_decode_cache_false_keeps_the_prompts_kv_only(
+    model_engine: HFEngine, stores: tuple[KVStore, KVStore]
+) -> None:
+    """``save_decode_cache=False``: a decode stores the prompt's chunks only."""
+    kv_ctx, _ = stores
+    engine = HFEngine(model_engine.source, kv_ctx, save_decode_cache=False)
+    prompt = engine.encode(TEXT, chat=False)
+    generated, _, _ = run(engine, prompt, {**GREEDY, "max_tokens": 40})
+    kv = kv_ctx.retrieve(prompt + generated)
+    assert kv is not None and kv.shape[2] == len(prompt) // CHUNK * CHUNK
+
+
 def test_the_kv_is_vllms_layout_with_keys_after_rope(
     model_engine: HFEngine, stores: tuple[KVStore, KVStore]
 ) -> None:

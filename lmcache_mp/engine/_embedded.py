@@ -11,6 +11,7 @@ import numpy.typing as npt
 from lmcache_mp._util.arrays import as_numpy
 from lmcache_mp.engine._base import CachingEngine
 from lmcache_mp.engine._config import EngineConfig
+from lmcache_mp.engine._decode_cache import rows_of
 from lmcache_mp.engine._model import KVSequence
 from lmcache_mp.engine._prompt import check_prompt
 from lmcache_mp.engine._queries import record_queries
@@ -59,12 +60,19 @@ class EmbeddedEngine(CachingEngine):
     fills in the rest. Recording reads the forward pass and changes
     neither the KV nor the tokens.
 
+    Decoding stores the KV of the generated tokens too, a chunk at a time
+    as they complete one (keyed by prompt plus generated tokens), and with
+    ``query_ctx`` their queries, as vLLM + LMCache's ``save_decode_cache``
+    does: a modify after a decode sees the generation's KV, and the next
+    decode reuses it.
+
     Args:
         ctx: The KV context to retrieve from and store to.
         config: The model; ``EngineConfig()`` by default.
         query_ctx: A QUERY-kind context to record the prompts' queries in,
             e.g. ``ctx.for_kind(LMCacheSDKCacheKind.QUERY)`` of the same
             named store; ``None`` records nothing.
+        save_decode_cache: ``False``: store the prompt's chunks only.
 
     Raises:
         CacheKindError: If ``query_ctx`` is given and its ``kind`` is not
@@ -77,8 +85,9 @@ class EmbeddedEngine(CachingEngine):
         config: EngineConfig | None = None,
         *,
         query_ctx: KVContext | None = None,
+        save_decode_cache: bool = True,
     ) -> None:
-        super().__init__(ctx, query_ctx)
+        super().__init__(ctx, query_ctx, save_decode_cache)
         self._config = config if config is not None else EngineConfig()
         self._vocab = ToyVocab(self._config.vocab_size, self._config.eos_token_id)
 
@@ -162,23 +171,27 @@ class EmbeddedEngine(CachingEngine):
         self, prompt: list[int], params: SamplingParams, salt: str
     ) -> Iterator[TokenEvent]:
         """Prefill (reusing cached KV), store, then decode lazily."""
-        seq = KVSequence(self._config, len(prompt) + params.max_tokens)
+        capacity = len(prompt) + params.max_tokens
+        seq = KVSequence(self._config, capacity)
         cached = self._ctx.retrieve(prompt, salt)
         reused = 0 if cached is None else seq.load(as_numpy(cached), len(prompt) - 1)
-        query_ctx, queries = self._query_ctx, None
+        query_ctx, queries, known = self._query_ctx, None, 0
         if query_ctx is not None:
             cfg = self._config
-            shape = (1, cfg.layers, len(prompt), cfg.width)
+            shape = (1, cfg.layers, capacity, cfg.width)
             queries = np.zeros(shape, dtype=cfg.kv_dtype)
         logits = seq.extend(prompt[reused:], None if queries is None else queries[0])
         # Queries first: a concurrent prefill that finds this KV finds its
         # queries too, and never records a shorter prefix of them.
         if query_ctx is not None and queries is not None:
-            record_queries(query_ctx, queries, prompt, reused, salt)
+            head = queries[:, :, : len(prompt)]
+            known = record_queries(query_ctx, head, prompt, reused, salt)
         # As LMCache offloads after prefill: the context keeps full chunks.
         self._ctx.store(seq.prefix(len(prompt)), prompt, salt)
         computed = len(prompt) - reused
         self._count(EngineStats(1, len(prompt), reused, computed, 0))
+        saver = self._decode_cache(prompt, salt, known)
+        rows = None if queries is None else rows_of(queries)
         sampler = Sampler(params)
         one = EngineStats(generated_tokens=1)
         for step in range(params.max_tokens):
@@ -190,7 +203,9 @@ class EmbeddedEngine(CachingEngine):
                 token, self._vocab.piece(token), reused if step == 0 else None
             )
             if step + 1 < params.max_tokens:
-                logits = seq.extend([token])
+                logits = seq.extend([token], None if queries is None else queries[0])
+                if saver is not None:
+                    saver.computed(token, rows_of(seq.kv), rows)
 
     def score(
         self,

@@ -13,6 +13,7 @@ import numpy.typing as npt
 from lmcache_mp._core.attention import AttentionConfig
 from lmcache_mp._util.arrays import as_numpy, as_type
 from lmcache_mp.engine._base import CachingEngine
+from lmcache_mp.engine._decode_cache import rows_of
 from lmcache_mp.engine._hf_attention import recording
 from lmcache_mp.engine._hf_load import LoadedModel, ModelSource, load_model, resolve
 from lmcache_mp.engine._prompt import check_prompt
@@ -47,7 +48,10 @@ class HFEngine(CachingEngine):
     head_dim]`` in the model's dtype, keys after RoPE; with ``query_ctx``,
     each prefill also stores the prompt's post-RoPE queries, ``[1, L, T,
     q_heads x head_dim]``, over the same chunk-aligned token ranges (what
-    upstream's vLLM patch exports for SnapKV-style edits).
+    upstream's vLLM patch exports for SnapKV-style edits). Decoding stores
+    the generated tokens' KV (and queries) too, a chunk at a time, as
+    vLLM + LMCache's ``save_decode_cache`` does, unless
+    ``save_decode_cache=False``.
 
     An engine pickles as its source, context and query context; each
     process loads the model once, on first use or at :meth:`load`, and
@@ -62,6 +66,7 @@ class HFEngine(CachingEngine):
         source: The model (from :meth:`from_pretrained`).
         ctx: The KV context to retrieve from and store to.
         query_ctx: A QUERY-kind context to record prompts' queries in.
+        save_decode_cache: ``False``: store the prompt's chunks only.
 
     Raises:
         CacheKindError: If ``query_ctx``'s kind is not QUERY.
@@ -73,8 +78,9 @@ class HFEngine(CachingEngine):
         ctx: KVContext,
         *,
         query_ctx: KVContext | None = None,
+        save_decode_cache: bool = True,
     ) -> None:
-        super().__init__(ctx, query_ctx)
+        super().__init__(ctx, query_ctx, save_decode_cache)
         self._source = source
 
     @classmethod
@@ -86,6 +92,7 @@ class HFEngine(CachingEngine):
         query_ctx: KVContext | None = None,
         gguf_file: str | None = None,
         dtype: Any = None,
+        save_decode_cache: bool = True,
     ) -> HFEngine:
         """Load a causal LM and return an engine over it.
 
@@ -100,6 +107,7 @@ class HFEngine(CachingEngine):
             dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or a
                 ``torch.dtype``; ``None`` for the checkpoint's own (float32
                 for a GGUF).
+            save_decode_cache: ``False``: store the prompt's chunks only.
 
         Returns:
             The engine, its model loaded in this process.
@@ -111,7 +119,12 @@ class HFEngine(CachingEngine):
             ValueError: For an unsupported dtype.
             CacheKindError: If ``query_ctx``'s kind is not QUERY.
         """
-        engine = cls(resolve(name_or_path, gguf_file, dtype), ctx, query_ctx=query_ctx)
+        engine = cls(
+            resolve(name_or_path, gguf_file, dtype),
+            ctx,
+            query_ctx=query_ctx,
+            save_decode_cache=save_decode_cache,
+        )
         engine.load()
         return engine
 
@@ -250,11 +263,19 @@ class HFEngine(CachingEngine):
                 logits = _forward(model, prompt[reused:], reused, cache)
             # Queries first: a concurrent prefill that finds this KV finds
             # its queries too, and never records a shorter prefix of them.
+            queries, known = None, 0
             if self._query_ctx is not None:
-                queries = _queries(sink, len(prompt), reused)
-                record_queries(self._query_ctx, queries, prompt, reused, salt)
+                queries = _queries(sink, len(prompt), reused, params.max_tokens)
+                head = queries[:, :, : len(prompt)]
+                known = record_queries(self._query_ctx, head, prompt, reused, salt)
             self._ctx.store(_cache_kv(cache, len(prompt)), prompt, salt)
         self._count(EngineStats(1, len(prompt), reused, len(prompt) - reused, 0))
+        saver = self._decode_cache(prompt, salt, known)
+        query_rows = None if queries is None else rows_of(queries)
+
+        def kv_rows(start: int, end: int) -> npt.NDArray[Any]:
+            return _cache_kv(cache, end, start)
+
         eos = self.eos_token_ids
         sampler = Sampler(params)
         pieces = _Detokenizer(self.tokenizer)
@@ -267,9 +288,17 @@ class HFEngine(CachingEngine):
             self._count(one)
             yield TokenEvent(token, pieces.push(token), reused if step == 0 else None)
             if step + 1 < params.max_tokens:
-                with torch.inference_mode():
-                    logits = _forward(model, [token], position, cache)
+                if queries is None:
+                    with torch.inference_mode():
+                        logits = _forward(model, [token], position, cache)
+                else:
+                    with torch.inference_mode(), recording(self.layout[0]) as sink:
+                        logits = _forward(model, [token], position, cache)
+                    queries[:, :, position] = _queries(sink, 1, 0)[:, :, 0]
                 position += 1
+                if saver is not None:
+                    with torch.inference_mode():
+                        saver.computed(token, kv_rows, query_rows)
 
     def score(
         self,
@@ -380,15 +409,16 @@ def _forward(model: Any, tokens: list[int], start: int, cache: Any) -> Any:
     return logits
 
 
-def _cache_kv(cache: Any, tokens: int) -> npt.NDArray[Any]:
-    """The cache as vLLM's KV: ``[2, L, tokens, kv_heads x head_dim]``."""
+def _cache_kv(cache: Any, tokens: int, start: int = 0) -> npt.NDArray[Any]:
+    """Positions ``start .. tokens-1`` of the cache as vLLM's KV: ``[2, L,
+    tokens - start, kv_heads x head_dim]``."""
     import torch
 
     def side(which: str) -> Any:
         # Each layer [1, H, T, d] -> [T, H*d].
         return torch.stack(
             [
-                getattr(layer, which)[0, :, :tokens].transpose(0, 1).flatten(1)
+                getattr(layer, which)[0, :, start:tokens].transpose(0, 1).flatten(1)
                 for layer in cache.layers
             ]
         )
@@ -396,16 +426,20 @@ def _cache_kv(cache: Any, tokens: int) -> npt.NDArray[Any]:
     return as_numpy(torch.stack([side("keys"), side("values")]))
 
 
-def _queries(sink: list[Any], tokens: int, reused: int) -> npt.NDArray[Any]:
-    """The recorded queries as ``[1, L, tokens, q_heads x head_dim]``; the
-    rows of reused positions (not computed) are zero, for the caller to
-    fill from the QUERY context."""
+def _queries(
+    sink: list[Any], tokens: int, reused: int, spare: int = 0
+) -> npt.NDArray[Any]:
+    """The recorded queries as ``[1, L, tokens + spare, q_heads x
+    head_dim]``; the rows of reused positions (not computed) are zero, for
+    the caller to fill from the QUERY context, and so are the ``spare``
+    rows after them, for the decoded tokens' queries."""
     import torch
 
     computed = torch.stack([q[0].transpose(0, 1).flatten(1) for q in sink])
     rows = as_numpy(computed)
-    queries = np.zeros((1, rows.shape[0], tokens, rows.shape[2]), dtype=rows.dtype)
-    queries[0, :, reused:] = rows
+    shape = (1, rows.shape[0], tokens + spare, rows.shape[2])
+    queries = np.zeros(shape, dtype=rows.dtype)
+    queries[0, :, reused:tokens] = rows
     return queries
 
 

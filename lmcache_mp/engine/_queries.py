@@ -45,7 +45,7 @@ def record_queries(
     prompt: list[int],
     reused: int,
     salt: str,
-) -> None:
+) -> int:
     """Fill the reused positions' queries from the store, store the rest.
 
     Positions whose KV was reused were not computed by this call: their
@@ -61,6 +61,9 @@ def record_queries(
         prompt: The prompt.
         reused: Leading positions whose KV came from the cache.
         salt: The call's cache salt.
+
+    Returns:
+        How many leading positions' queries are stored now.
 
     Raises:
         KVConfigError: If the stored queries' layout is not ``queries``'.
@@ -89,3 +92,4 @@ def record_queries(
             known = got
     if known:
         query_ctx.store(queries[:, :, :known], prompt[:known], salt)
+    return known
