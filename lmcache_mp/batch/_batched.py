@@ -13,12 +13,17 @@ from typing import Any
 from lmcache_mp._core.phase import build_phase, check_stores
 from lmcache_mp._core.records import ModifyFn, StreamModifyMetrics, StreamPerfMetrics
 from lmcache_mp._core.streambase import StreamBase
-from lmcache_mp._core.validate import select_streams
+from lmcache_mp._core.validate import check_max_tokens, select_streams
 from lmcache_mp._util.arrays import check_array_type
 from lmcache_mp.batch._commit import commit, drop_staged, raise_failures
 from lmcache_mp.batch._memory import modify_bound
 from lmcache_mp.batch._pinning import pin_stream, release
-from lmcache_mp.batch._reports import ExecutorInfo, generate_report, modify_report
+from lmcache_mp.batch._reports import (
+    ExecutorInfo,
+    Rounds,
+    generate_report,
+    modify_report,
+)
 from lmcache_mp.errors import LMCacheBatchedStreamError
 from lmcache_mp.executors import PhaseExecutor, PhaseRun, Preload, make_executor
 from lmcache_mp.kv import DEFAULT_LEASE_S, PinOwner
@@ -79,6 +84,8 @@ class LMCacheBatchedStream:
             replaced by every prefill/decode.
         modify_metrics: Latest :class:`StreamModifyMetrics` per stream id,
             replaced by every modify; ``.info`` holds what the fn reported.
+        round_metrics: With ``decode(compress=...)``, each compression
+            round's :class:`StreamModifyMetrics` per stream id, in order.
 
     Raises:
         ValueError: For an unknown executor, start method or array type.
@@ -104,6 +111,7 @@ class LMCacheBatchedStream:
         self.streams: dict[str, StreamBase] = {}
         self.perf_metrics: dict[str, StreamPerfMetrics] = {}
         self.modify_metrics: dict[str, StreamModifyMetrics] = {}
+        self.round_metrics: list[dict[str, StreamModifyMetrics]] = []
         self._executor = make_executor(
             executor, max_workers, mp_context, preload, blas_threads
         )
@@ -493,27 +501,109 @@ class LMCacheBatchedStream:
         stream_ids: list[str] | None = None,
         *,
         phase_timeout: float | None = None,
+        compress: ModifyFn | None = None,
+        every: int | None = None,
+        timeout: float = 30.0,
+        poll_interval: float = 0.2,
+        array: str | None = None,
     ) -> Metrics:
         """Decode every selected stream and report it.
+
+        With ``compress``, the generation runs in rounds, as kvpress's
+        ``DecodingPress`` compresses every ``compression_interval`` steps:
+        every stream decodes ``every`` tokens; then the streams still
+        generating (not at EOS) are modified by ``compress`` on the
+        batch's executor (it sees the prompt and the tokens generated so
+        far, as any modify fn; the engine keeps generated tokens' KV), and
+        decoding resumes over the edited cache, until ``max_tokens`` or
+        EOS. It is the loop ``decode(every) -> modify(compress) -> ...``
+        over the streams not done, written once. A stream whose round
+        fails leaves the loop with its last committed state; the others
+        go on.
 
         Args:
             sampling_params: Engine sampling params (``max_tokens``, ...).
             fmt: Formatter for ``emit()``.
             width: Width for the terminal formatter.
             stream_ids: Streams to run; ``None`` means all.
-            phase_timeout: Time limit of the phase in seconds (default:
+            phase_timeout: Time limit of each phase in seconds (default:
                 the batch's).
+            compress: A modify fn to run between rounds, or ``None``.
+            every: Tokens each stream decodes per round (with
+                ``compress``).
+            timeout: As :meth:`modify`, for the rounds' modifies.
+            poll_interval: As :meth:`modify`.
+            array: As :meth:`modify`.
 
         Returns:
             The decode report (output tokens and throughput, TTFT, TPOT,
-            per-stream decode speed, cache hits).
+            per-stream decode speed, cache hits), over the whole
+            generation; with ``compress``, a "Compression" section too:
+            the rounds, their modify seconds, and the KV tokens the
+            streams decoded against after the last one. Each round's
+            per-stream figures (``info`` included) are in
+            :attr:`round_metrics`.
 
         Raises:
-            LMCacheBatchedStreamError: As :meth:`run_streams`.
+            TypeError: If ``compress`` is not callable.
+            ValueError: If ``every`` is not a positive int, or is given
+                without ``compress``.
+            LMCacheBatchedStreamError: As :meth:`run_streams`; with
+                ``compress``, once the generation is over, naming every
+                stream whose decode or round failed.
         """
-        return self._generate(
-            "decode", sampling_params, stream_ids, phase_timeout, fmt, width
-        )[1]
+        if compress is None:
+            if every is not None:
+                raise ValueError("decode(every=...) needs compress=")
+            return self._generate(
+                "decode", sampling_params, stream_ids, phase_timeout, fmt, width
+            )[1]
+        if not callable(compress):
+            raise TypeError(f"compress must be callable, got {type(compress).__name__}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"decode(every=...) must be an int >= 1, got {every!r}")
+        get_formatter(fmt, width=width)  # a bad fmt/width fails before any run
+        ids = self._select(stream_ids)
+        # Every stream gets the same params: the first one names a bad value.
+        total = check_max_tokens(sampling_params, ids[0]) if ids else 0
+        rounds = Rounds()
+        active, left = list(ids), total
+        self.round_metrics = []
+        while active and left > 0:
+            step = min(every, left)
+            self.perf_metrics.clear()
+            duration, failures = self._run(
+                active,
+                phase_timeout,
+                kind="generate",
+                sampling_params={**sampling_params, "max_tokens": step},
+            )
+            rounds.decoded(duration, self.perf_metrics, failures)
+            left -= step
+            active = [
+                s for s in active if s not in failures and not self.streams[s].done
+            ]
+            if not active or left <= 0:
+                break
+            self.modify_metrics.clear()
+            duration, failures = self._run(
+                active,
+                phase_timeout,
+                kind="modify",
+                fn=compress,
+                retrieve_timeout=timeout,
+                poll_interval=poll_interval,
+                array=self._array if array is None else array,
+            )
+            rounds.modified(duration, self.modify_metrics, failures)
+            self.round_metrics.append(dict(self.modify_metrics))
+            active = [s for s in active if s not in failures]
+        self.perf_metrics.clear()
+        self.perf_metrics.update(rounds.per_stream())
+        metrics = self.get_perf_metrics(rounds.decode_s, fmt, width, "decode", ids)
+        rounds.report(metrics)
+        raise_failures("decode", ids, rounds.failures, metrics)
+        return metrics
 
     # -- upstream 0.5.6's names ---------------------------------------------------
 

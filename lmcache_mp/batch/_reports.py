@@ -16,7 +16,7 @@ from lmcache_mp._core.records import StreamModifyMetrics, StreamPerfMetrics
 from lmcache_mp.executors import PhaseRun
 from lmcache_mp.metrics import Metrics, StreamHandler, get_formatter, summarize
 
-__all__ = ["ExecutorInfo", "generate_report", "modify_report"]
+__all__ = ["ExecutorInfo", "Rounds", "generate_report", "modify_report"]
 
 
 @dataclass(frozen=True)
@@ -202,3 +202,85 @@ def modify_report(
         )
     _add_transport(metrics, run)
     return metrics
+
+
+class Rounds:
+    """What the rounds of a compressed decode did, summed as one decode.
+
+    Each stream's rounds make one generation: its duration and tokens
+    add up, its TTFT is the first round's, and its TPOT takes every gap
+    between two tokens, a later round's first token included (the time
+    from its request to that token: re-reading the cache and computing
+    the uncached tail, not the modify before it).
+    """
+
+    def __init__(self) -> None:
+        self.decode_s = 0.0
+        self.modify_s: list[float] = []
+        self.failures: dict[str, BaseException] = {}
+        self._perf: dict[str, list[StreamPerfMetrics]] = {}
+        self._kv_tokens: dict[str, int] = {}
+
+    def decoded(
+        self,
+        duration: float,
+        perf: dict[str, StreamPerfMetrics],
+        failures: dict[str, BaseException],
+    ) -> None:
+        """Count a decode round: its wall time, each stream's figures."""
+        self.decode_s += duration
+        for sid, figures in perf.items():
+            self._perf.setdefault(sid, []).append(figures)
+        self.failures.update(failures)
+
+    def modified(
+        self,
+        duration: float,
+        figures: dict[str, StreamModifyMetrics],
+        failures: dict[str, BaseException],
+    ) -> None:
+        """Count a compression round: its wall time, the KV it left."""
+        self.modify_s.append(duration)
+        for sid, modified in figures.items():
+            self._kv_tokens[sid] = modified.tokens_after
+        self.failures.update(failures)
+
+    def per_stream(self) -> dict[str, StreamPerfMetrics]:
+        """Each stream's rounds as one generation's figures."""
+        merged = {}
+        for sid, parts in self._perf.items():
+            duration = sum(p.duration for p in parts)
+            output = sum(p.output_tokens for p in parts)
+            tpot = list(parts[0].tpot)
+            for later in parts[1:]:
+                # A later round's first token is one more gap between tokens.
+                tpot += [later.ttft, *later.tpot]
+            first = parts[0]
+            merged[sid] = StreamPerfMetrics(
+                duration=duration,
+                input_tokens=first.input_tokens,
+                output_tokens=output,
+                input_tput=first.input_tput,
+                output_tput=output / duration if duration > 0 else 0.0,
+                tpot=tpot,
+                ttft=first.ttft,
+                cached_tokens=first.cached_tokens,
+            )
+        return merged
+
+    def report(self, metrics: Metrics) -> None:
+        """Add the "Compression" section to a decode report."""
+        section = metrics.add_section("compression", "Compression")
+        section.add("rounds", "Compression Rounds", len(self.modify_s))
+        section.add("modify_s", "Modify Time, All Rounds (s)", sum(self.modify_s))
+        for index, seconds in enumerate(self.modify_s, 1):
+            section.add(f"round_{index}_modify_s", f"Round {index} Modify (s)", seconds)
+        kv = list(self._kv_tokens.values())
+        section.add(
+            "p50_kv_tokens",
+            "P50 KV Tokens After Compression",
+            summarize(kv, (50,))["p50"],
+        )
+        section.add(
+            "max_kv_tokens", "Max KV Tokens After Compression", max(kv, default=0)
+        )
