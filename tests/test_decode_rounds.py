@@ -12,13 +12,14 @@ import pytest
 
 import lmcache_mp.batch as lmc_batch
 import lmcache_mp.stream as lmc_stream
-from lmcache_mp import connect
+from lmcache_mp import LMCacheSDKCacheKind, connect, request
 from lmcache_mp.edits import make_edit
 from lmcache_mp.engine import EmbeddedEngine, EngineConfig
 from lmcache_mp.errors import LMCacheBatchedStreamError
 from lmcache_mp.kv import KVStore
 from lmcache_mp.stream import TokenEvent
 
+QUERY = LMCacheSDKCacheKind.QUERY
 CHUNK = 16
 PROMPT_LEN, MAX_TOKENS, EVERY, BUDGET = 150, 64, 16, 96
 GREEDY: dict[str, Any] = {"temperature": 0, "ignore_eos": True}
@@ -212,3 +213,45 @@ def test_bad_round_options_are_refused_before_any_run(
         with pytest.raises(error, match=needle):
             batch.decode({**GREEDY, "max_tokens": 8}, **options)
         assert all(len(out) == 1 for out in _outputs(batch))
+
+
+def snapkv_noting_queries(tensors: Any, tokens: list[int]) -> Any:
+    """SnapKV at the budget, its info noting how many positions the
+    queries it was given cover."""
+    kv, kept, info = make_edit("snapkv", budget=BUDGET, window=8)(tensors, tokens)
+    return kv, kept, {**info, "queries": int(tensors[QUERY].shape[2])}
+
+
+@pytest.mark.parametrize(("executor", "method"), EXECUTORS[::2])
+def test_query_edits_score_with_the_latest_window_each_round(
+    ctx: KVStore, executor: str, method: str
+) -> None:
+    """With a QUERY context, a query-aware edit runs every round: the first
+    gets the queries of the whole cached prefix, each later one those of
+    the positions after the previous edit's last full chunk (the tokens
+    computed since), and the budget holds."""
+    queries = ctx.for_kind(LMCacheSDKCacheKind.QUERY)
+    batch = lmc_batch.LMCacheBatchedStream(executor, max_workers=2, mp_context=method)
+    engine = EmbeddedEngine(ctx, EngineConfig(), query_ctx=queries)
+    try:
+        with batch:
+            for prompt in _prompts():
+                batch.add(request.create_request([ctx, queries], engine, prompt, ""))
+            batch.prefill({"temperature": 0})
+            batch.decode(
+                {**GREEDY, "max_tokens": MAX_TOKENS},
+                compress=snapkv_noting_queries,
+                every=EVERY,
+                array="numpy",
+            )
+            assert len(batch.round_metrics) == MAX_TOKENS // EVERY - 1
+            first = (PROMPT_LEN + 1 + EVERY - 1) // CHUNK * CHUNK
+            aligned = BUDGET // CHUNK * CHUNK
+            for index, figures in enumerate(batch.round_metrics):
+                for m in figures.values():
+                    assert m.tokens_after <= BUDGET
+                    assert m.info is not None
+                    expected = first if index == 0 else m.tokens_before - aligned
+                    assert m.info["queries"] == expected
+    finally:
+        queries.close()

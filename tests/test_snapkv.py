@@ -14,7 +14,10 @@ import torch
 from lmcache_mp import LMCacheSDKCacheKind
 from lmcache_mp.edits import (
     EDITS,
+    H2O,
     KIND_EDITS,
+    RKV,
+    TOVA,
     RandomDrop,
     RecentWindow,
     SnapKV,
@@ -321,11 +324,45 @@ def test_tensors_without_kv_raise_cache_kind_error() -> None:
         SnapKV()({QUERY: q}, ids_of(48))
 
 
-def test_queries_of_fewer_tokens_than_the_kv_raise() -> None:
-    """Queries that stop before the KV's last token raise ValueError."""
+@pytest.mark.parametrize(
+    "edit",
+    [SnapKV(budget=20, window=8), TOVA(budget=20), RKV(budget=20, window=8)],
+    ids=["snapkv", "tova", "rkv"],
+)
+def test_queries_of_the_last_positions_choose_as_all_of_them(edit: Any) -> None:
+    """Queries of the last positions only (a stream modified again after a
+    decode has those) choose what the whole prompt's queries choose, where
+    the edit reads no more than its window of them."""
     kv, q = random_pair()
-    with pytest.raises(ValueError, match="queries cover 40 tokens but the KV 48"):
-        SnapKV()({KV: kv, QUERY: q[:, :, :40]}, ids_of(48))
+    whole = edit({KV: kv, QUERY: q}, ids_of(48))
+    latest = edit({KV: kv, QUERY: q[:, :, -12:]}, ids_of(48))
+    assert latest[1] == whole[1]
+    np.testing.assert_array_equal(latest[0], whole[0])
+
+
+def test_h2o_scores_with_the_last_positions_queries_alone() -> None:
+    """Given the queries of the last positions only, H2O sums the attention
+    those queries pay, each seeing the keys up to its own position."""
+    kv, q = random_pair()
+    rows = q[:, :, -20:]
+    edit = H2O(budget=16, block=8)
+    expected = np.zeros(48)
+    for layer in range(kv.shape[1]):
+        k, qh = edit.split_heads(kv[0, layer], rows[0, layer])
+        logits = np.einsum("hgwd,htd->hgwt", qh, k) / math.sqrt(k.shape[-1])
+        # Query i sits at position 28 + i and sees keys 0 .. 28 + i.
+        logits[..., np.arange(48)[None, :] > np.arange(28, 48)[:, None]] = -np.inf
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        expected += probs.sum(axis=(0, 1, 2))
+    np.testing.assert_allclose(edit._scores(kv, rows), expected, rtol=1e-5)
+
+
+def test_queries_of_no_position_raise() -> None:
+    """An empty query tensor raises ValueError."""
+    kv, q = random_pair()
+    with pytest.raises(ValueError, match="queries cover no token"):
+        SnapKV()({KV: kv, QUERY: q[:, :, :0]}, ids_of(48))
 
 
 @pytest.mark.parametrize(

@@ -134,6 +134,9 @@ class StreamState:
         text_parts: Text of every generated token, in order.
         output_ids: Every generated token id, in order.
         done: Whether the last call stopped before ``max_tokens`` (EOS).
+        edited: Tokens the last modify left (0 before any): an engine
+            computes, and records the queries of, only what follows their
+            cached chunks, so queries cover the stream from there on.
         pin: The open batch that pins the stream's KV in its stores, or
             ``None``; the stores it writes in a phase pin what they write
             to it.
@@ -145,6 +148,7 @@ class StreamState:
     text_parts: list[str] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     done: bool = False
+    edited: int = 0
     # Which batch holds the stream is not part of what the stream is.
     pin: PinOwner | None = field(default=None, compare=False, repr=False)
 
@@ -157,5 +161,6 @@ class StreamState:
             text_parts=list(self.text_parts),
             output_ids=list(self.output_ids),
             done=self.done,
+            edited=self.edited,
             pin=self.pin,
         )

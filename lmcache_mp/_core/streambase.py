@@ -46,7 +46,7 @@ from lmcache_mp.errors import (
     NoFullChunkError,
     StreamInputError,
 )
-from lmcache_mp.kv import KVContext, pinning
+from lmcache_mp.kv import KVContext, KVStore, pinning
 
 __all__ = ["StreamBase"]
 
@@ -226,6 +226,7 @@ class StreamBase:
             text_parts=s.text_parts + texts,
             output_ids=s.output_ids + ids,
             done=len(ids) < max_tokens,
+            edited=s.edited,
         )
         return StreamPerfMetrics(
             duration=duration,
@@ -310,6 +311,43 @@ class StreamBase:
                     f"stream {self._stream_id}: no cached {kind.name} for its "
                     f"{len(self._state.tokens)} tokens after {timeout:g}s "
                     f"(chunk_size {ctx.chunk_size}; was it prefilled?)",
+                    self._stream_id,
+                )
+            time.sleep(poll_interval)
+
+    def _retrieve_rows(
+        self,
+        kind: LMCacheSDKCacheKind,
+        cached: int,
+        timeout: float,
+        poll_interval: float,
+    ) -> npt.NDArray[Any]:
+        """Another kind's tensor for the ``cached`` KV tokens, as a modify fn
+        gets it: of every position when the kind covers them, else (after
+        an edit, whose tokens' queries no one computed) of the positions
+        from the edit's last cached chunk to ``cached``, the tokens
+        generated since, as upstream's queries across decode."""
+        ctx = self._context(kind)
+        start = self._state.edited // ctx.chunk_size * ctx.chunk_size
+        if start == 0 or not isinstance(ctx, KVStore):
+            return self._retrieve(kind, timeout, poll_interval)
+        whole = ctx.retrieve(self._state.tokens, self.cache_salt)
+        if whole is not None and whole.shape[2] >= cached:
+            return whole
+        deadline = time.monotonic() + timeout
+        while True:
+            rows = None
+            if start < cached:
+                rows = ctx.retrieve(self._state.tokens, self.cache_salt, start=start)
+            if rows is not None and start + rows.shape[2] >= cached:
+                return rows[:, :, : cached - start]
+            if time.monotonic() >= deadline:
+                raise LMCacheStreamError(
+                    f"stream {self._stream_id}: no cached {kind.name} for its "
+                    f"tokens {start}..{cached} after {timeout:g}s: the last "
+                    f"modify left {self._state.edited} tokens, and an engine "
+                    f"records the {kind.name} of what it computes after them "
+                    "(decode the stream before modifying it again)",
                     self._stream_id,
                 )
             time.sleep(poll_interval)
@@ -403,6 +441,8 @@ class StreamBase:
         )
         self._state.tokens = toks
         self._state.done = False
+        if kind is KV:
+            self._state.edited = len(toks)
 
     def modify_kv(
         self,
@@ -467,7 +507,7 @@ class StreamBase:
             # Upstream 0.5.6: every context's tensor of the current tokens.
             tensors = {KV: arg}
             for kind in self._others:
-                other = self._retrieve(kind, timeout, poll_interval)
+                other = self._retrieve_rows(kind, cached, timeout, poll_interval)
                 read += int(other.nbytes)
                 tensors[kind] = as_type(other, kind_of_array)
             arg = KindTensors(tensors)
@@ -493,7 +533,11 @@ class StreamBase:
         staged = self._write(new_kv, toks, replace=toks == given, stage=stage)
         s = self._state
         self._state = dataclasses.replace(
-            s, tokens=toks, suffix=s.tokens[cached:] + s.suffix, done=False
+            s,
+            tokens=toks,
+            suffix=s.tokens[cached:] + s.suffix,
+            done=False,
+            edited=len(toks),
         )
         end = time.perf_counter()
         figures = StreamModifyMetrics(

@@ -92,26 +92,27 @@ class H2O(QueryDrop):
     def _scores(
         self, kv: npt.NDArray[Any], queries: npt.NDArray[Any]
     ) -> npt.NDArray[np.float64]:
-        """Each key's attention received from all queries, summed over query
-        heads and layers."""
+        """Each key's attention received from the queries (of the last
+        ``Tq`` positions), summed over query heads and layers."""
         total, width = kv.shape[2], kv.shape[3]
+        first = total - queries.shape[2]
         heads, group, dim = self.layout(width)
         scale = 1.0 / math.sqrt(dim)
         scores = np.zeros(total, dtype=np.float64)
         # future[i, j]: key start + j lies after query start + i.
-        size = min(self.block, total)
+        size = min(self.block, total - first)
         future = np.triu(np.ones((size, size), dtype=bool), k=1)
         for layer in range(kv.shape[1]):
             # float32 for the T^2 part (BLAS sgemm, exp); the sums float64.
             k = kv[0, layer].astype(np.float32).reshape(total, heads, dim)
             k = k.transpose(1, 2, 0)[:, None]  # [H, 1, d, T]
             q = queries[0, layer].astype(np.float32) * np.float32(scale)
-            q = q.reshape(total, heads, group, dim).transpose(1, 2, 0, 3)
-            for start in range(0, total, size):
+            q = q.reshape(total - first, heads, group, dim).transpose(1, 2, 0, 3)
+            for start in range(first, total, size):
                 stop = min(start + size, total)
                 # Queries start..stop-1 see keys 0..stop-1 only; of those,
                 # only the block's own keys can lie after a query.
-                logits = q[:, :, start:stop] @ k[..., :stop]  # [H, G, b, stop]
+                logits = q[:, :, start - first : stop - first] @ k[..., :stop]
                 diagonal = logits[..., start:stop]
                 diagonal[..., future[: stop - start, : stop - start]] = -np.inf
                 logits -= logits.max(axis=-1, keepdims=True)

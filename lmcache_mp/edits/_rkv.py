@@ -113,14 +113,14 @@ class RKV(QueryDrop):
         self, kv: npt.NDArray[Any], queries: npt.NDArray[Any], tokens: list[int]
     ) -> EditResult:
         total = len(tokens)
-        window = min(self.window, total)
+        window = min(self.window, total, queries.shape[2])
         kept = self.kept_count(total, window)
         if kept == total:
             return kv, tokens, {"kept": total, "dropped": 0, "window": window}
         past = total - window
         scores = np.zeros(past, dtype=np.float64)
         for layer in range(kv.shape[1]):
-            k, q = self.split_heads(kv[0, layer], queries[0, layer, past:])
+            k, q = self.split_heads(kv[0, layer], queries[0, layer, -window:])
             mixed = self.mix * self._importance(k, q, past)
             mixed -= (1 - self.mix) * self._redundancy(k)[:, :past]
             scores += mixed.mean(axis=0)

@@ -138,7 +138,7 @@ class SnapKV(QueryDrop):
     ) -> EditResult:
         """Keep the window and the chosen prefix of checked inputs."""
         total = len(tokens)
-        window = min(self.window, total)
+        window = min(self.window, total, queries.shape[2])
         kept = self.kept_count(total, window)
         info: dict[str, Any] = {"kept": kept, "dropped": total - kept}
         info["window"] = window
@@ -185,13 +185,14 @@ class SnapKV(QueryDrop):
 
         Args:
             keys: The layer's ``[T, D]`` keys.
-            queries: The layer's ``[T, Dq]`` queries.
+            queries: The layer's ``[Tq, Dq]`` queries, of its last ``Tq``
+                positions.
             prefix: Positions before the window.
         """
         total = len(keys)
         # float64, as the votes are summed over heads and layers and their
         # order decides the selection.
-        k, q = self.split_heads(keys, queries[prefix:])
+        k, q = self.split_heads(keys, queries[len(queries) - (total - prefix) :])
         # Window query i sits at position prefix + i: later keys are masked.
         probs = attention_probs(q, k, np.arange(prefix, total))
         # [H, G, w, T] -> [H * G, prefix]: one voter per query head.

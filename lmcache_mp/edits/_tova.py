@@ -70,7 +70,7 @@ class TOVA(QueryDrop, EndsDrop):
         total = kv.shape[2]
         scores = np.zeros(total, dtype=np.float64)
         for layer in range(kv.shape[1]):
-            k, q = self.split_heads(kv[0, layer], queries[0, layer, total - 1 :])
+            k, q = self.split_heads(kv[0, layer], queries[0, layer, -1:])
             probs = attention_probs(q, k, np.array([total - 1]))
             scores += probs.mean(axis=(0, 1, 2))
         scores /= kv.shape[1]

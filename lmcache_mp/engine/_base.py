@@ -88,9 +88,9 @@ class CachingEngine(StatsCounter, abc.ABC):
         return self._save_decode_cache
 
     def _decode_cache(
-        self, prompt: list[int], salt: str, queries_stored: int
+        self, prompt: list[int], salt: str, queries_from: int | None
     ) -> DecodeCache | None:
         """What stores this generation's decode chunks, if the engine does."""
         if not self._save_decode_cache:
             return None
-        return DecodeCache(self._ctx, self._query_ctx, prompt, salt, queries_stored)
+        return DecodeCache(self._ctx, self._query_ctx, prompt, salt, queries_from)

@@ -52,9 +52,11 @@ class DecodeCache:
             ``None``.
         prompt: The prompt (its full chunks are stored already).
         salt: The call's cache salt.
-        queries_stored: Leading positions whose queries ``query_ctx``
-            holds; generated tokens' queries are stored only after a
-            contiguous prefix of them (a query tensor with a hole in it
+        queries_from: The first position from which every query row is
+            stored or computed (what :func:`record_queries
+            <lmcache_mp.engine._queries.record_queries>` returns), or
+            ``None``: generated tokens' queries are stored only in chunks
+            that begin there or later (a query tensor with a hole in it
             would misplace every later row).
     """
 
@@ -64,7 +66,7 @@ class DecodeCache:
         query_ctx: KVContext | None,
         prompt: list[int],
         salt: str,
-        queries_stored: int,
+        queries_from: int | None,
     ) -> None:
         self._ctx = ctx
         self._query_ctx = query_ctx
@@ -72,7 +74,7 @@ class DecodeCache:
         self._tokens = list(prompt)
         self._salt = salt
         self._stored = len(prompt) // self._chunk * self._chunk
-        self._queries = queries_stored // self._chunk * self._chunk
+        self._queries_from = queries_from
 
     def computed(self, token: int, kv: Rows, queries: Rows | None = None) -> None:
         """Note that the model has run ``token`` (its KV exists now); store
@@ -95,9 +97,10 @@ class DecodeCache:
         if (
             self._query_ctx is not None
             and queries is not None
-            and self._queries == begin
+            and self._queries_from is not None
+            and begin >= self._queries_from
+            and (self._queries_from == 0 or isinstance(self._query_ctx, KVStore))
         ):
             _store_range(self._query_ctx, queries, tokens, self._salt, begin)
-            self._queries = begin + self._chunk
         _store_range(self._ctx, kv, tokens, self._salt, begin)
         self._stored = begin + self._chunk

@@ -54,11 +54,12 @@ class EmbeddedEngine(CachingEngine):
     stores Q), so the prompt's last window is the last stored rows.
     Positions whose KV was reused were not computed by this call: their
     queries are taken from ``query_ctx.retrieve(prompt, salt)``. Where it
-    has fewer of them than were reused, only the contiguous known prefix
-    from position 0 is stored (a query tensor with a hole in it would
-    misplace every later row), and the next cold prefill of the prompt
-    fills in the rest. Recording reads the forward pass and changes
-    neither the KV nor the tokens.
+    has fewer of them than were reused (an edited KV), the computed rows
+    are stored as a range from the first chunk boundary after the reused
+    ones, never a tensor with a hole in it: the queries of what was
+    generated since the edit, which query-aware edits score with across
+    decode. Recording reads the forward pass and changes neither the KV
+    nor the tokens.
 
     Decoding stores the KV of the generated tokens too, a chunk at a time
     as they complete one (keyed by prompt plus generated tokens), and with
@@ -175,7 +176,8 @@ class EmbeddedEngine(CachingEngine):
         seq = KVSequence(self._config, capacity)
         cached = self._ctx.retrieve(prompt, salt)
         reused = 0 if cached is None else seq.load(as_numpy(cached), len(prompt) - 1)
-        query_ctx, queries, known = self._query_ctx, None, 0
+        query_ctx, queries = self._query_ctx, None
+        queries_from: int | None = 0
         if query_ctx is not None:
             cfg = self._config
             shape = (1, cfg.layers, capacity, cfg.width)
@@ -185,12 +187,12 @@ class EmbeddedEngine(CachingEngine):
         # queries too, and never records a shorter prefix of them.
         if query_ctx is not None and queries is not None:
             head = queries[:, :, : len(prompt)]
-            known = record_queries(query_ctx, head, prompt, reused, salt)
+            queries_from = record_queries(query_ctx, head, prompt, reused, salt)
         # As LMCache offloads after prefill: the context keeps full chunks.
         self._ctx.store(seq.prefix(len(prompt)), prompt, salt)
         computed = len(prompt) - reused
         self._count(EngineStats(1, len(prompt), reused, computed, 0))
-        saver = self._decode_cache(prompt, salt, known)
+        saver = self._decode_cache(prompt, salt, queries_from)
         rows = None if queries is None else rows_of(queries)
         sampler = Sampler(params)
         one = EngineStats(generated_tokens=1)

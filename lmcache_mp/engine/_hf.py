@@ -263,14 +263,17 @@ class HFEngine(CachingEngine):
                 logits = _forward(model, prompt[reused:], reused, cache)
             # Queries first: a concurrent prefill that finds this KV finds
             # its queries too, and never records a shorter prefix of them.
-            queries, known = None, 0
+            queries: Any = None
+            queries_from: int | None = 0
             if self._query_ctx is not None:
                 queries = _queries(sink, len(prompt), reused, params.max_tokens)
                 head = queries[:, :, : len(prompt)]
-                known = record_queries(self._query_ctx, head, prompt, reused, salt)
+                queries_from = record_queries(
+                    self._query_ctx, head, prompt, reused, salt
+                )
             self._ctx.store(_cache_kv(cache, len(prompt)), prompt, salt)
         self._count(EngineStats(1, len(prompt), reused, len(prompt) - reused, 0))
-        saver = self._decode_cache(prompt, salt, known)
+        saver = self._decode_cache(prompt, salt, queries_from)
         query_rows = None if queries is None else rows_of(queries)
 
         def kv_rows(start: int, end: int) -> npt.NDArray[Any]:

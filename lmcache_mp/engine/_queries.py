@@ -15,7 +15,7 @@ import numpy.typing as npt
 from lmcache_mp._util.arrays import as_numpy
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.errors import CacheKindError, KVConfigError
-from lmcache_mp.kv import KVContext
+from lmcache_mp.kv import KVContext, KVStore
 
 __all__ = ["check_query_ctx", "record_queries"]
 
@@ -45,30 +45,39 @@ def record_queries(
     prompt: list[int],
     reused: int,
     salt: str,
-) -> int:
+) -> int | None:
     """Fill the reused positions' queries from the store, store the rest.
 
     Positions whose KV was reused were not computed by this call: their
     queries come from ``query_ctx``. Where it has fewer of them than were
-    reused, only the contiguous known prefix from position 0 is stored (a
-    query tensor with a hole in it would misplace every later row); the
-    next cold prefill of the prompt fills in the rest.
+    reused (the KV is an edit's, whose queries no one computed), the stored
+    ones and the computed ones have a hole between them, and a query tensor
+    with a hole in it would misplace every later row: the known prefix
+    from position 0 is stored as it is, and the computed rows from the
+    first chunk boundary at or after ``reused`` go in as a range (a
+    :class:`~lmcache_mp.kv.KVStore` takes one, as LMCache's store mask
+    skips a prefix; a context of the protocol alone stores whole prefixes
+    only, so it gets none). Those are the queries of the tokens generated
+    since the edit, which query-aware edits score with across decode.
 
     Args:
         query_ctx: The QUERY context.
         queries: ``[1, L, len(prompt), D]``, computed from ``reused`` on;
-            rows before ``reused`` are filled in place.
+            rows before ``reused`` are filled in place where known.
         prompt: The prompt.
         reused: Leading positions whose KV came from the cache.
         salt: The call's cache salt.
 
     Returns:
-        How many leading positions' queries are stored now.
+        The first position from which every query row of ``queries`` is
+        either stored or computed (0 without a hole), so that later rows
+        may be stored after it; ``None`` where no later row may be stored
+        (a hole, and a context that takes no range).
 
     Raises:
         KVConfigError: If the stored queries' layout is not ``queries``'.
     """
-    known = len(prompt)
+    got = reused
     if reused:
         cached = query_ctx.retrieve(prompt, salt)
         got = 0
@@ -87,9 +96,14 @@ def record_queries(
                 )
             got = min(int(stored.shape[2]), reused)
             queries[:, :, :got] = stored[:, :, :got]
-        if got < reused:
-            # Positions got..reused-1 were neither computed nor cached.
-            known = got
-    if known:
-        query_ctx.store(queries[:, :, :known], prompt[:known], salt)
-    return known
+    if got >= reused:
+        query_ctx.store(queries, prompt, salt)
+        return 0
+    # Positions got..reused-1 were neither computed nor cached.
+    if not isinstance(query_ctx, KVStore):
+        return None
+    size = query_ctx.chunk_size
+    first = -(-reused // size) * size
+    if first + size <= len(prompt):
+        query_ctx.store(queries[:, :, first:], prompt, salt, start=first)
+    return first
