@@ -10,19 +10,32 @@ reference; every edit at every keep is scored teacher-forced along it
     result = evaluate(EvalConfig(edits=("snapkv", "knorm"), keeps=(0.25, 0.5)))
     print(result.format())
 
+With ``EvalConfig(generate=G, every=N)`` it scores compression while
+generating instead: a :class:`GenerateResult` (``GENERATE_SCHEMA``).
+
 See ``docs/eval.md`` for the tasks and the JSON schema (``EVAL_SCHEMA``).
 """
 
 from lmcache_mp.eval._cli import add_eval_parser, run_eval_command
 from lmcache_mp.eval._config import EvalConfig
 from lmcache_mp.eval._evaluate import evaluate
+from lmcache_mp.eval._generate import (
+    GENERATE_SCHEMA,
+    GenerateResult,
+    GenerateRow,
+    Speed,
+)
 from lmcache_mp.eval._table import EVAL_SCHEMA, EvalResult, EvalRow
 
 __all__ = [
     "EVAL_SCHEMA",
+    "GENERATE_SCHEMA",
     "EvalConfig",
     "EvalResult",
     "EvalRow",
+    "GenerateResult",
+    "GenerateRow",
+    "Speed",
     "add_eval_parser",
     "evaluate",
     "run_eval_command",

@@ -18,6 +18,7 @@ from lmcache_mp.edits import EDITS, KIND_EDITS
 from lmcache_mp.errors import LMCacheError
 from lmcache_mp.eval._config import EVAL_EDITS, EVAL_EXECUTORS, EvalConfig
 from lmcache_mp.eval._evaluate import evaluate
+from lmcache_mp.eval._table import EvalResult
 
 __all__ = ["add_eval_parser", "eval_config_from_args", "run_eval_command"]
 
@@ -129,6 +130,36 @@ def add_eval_parser(
         help="the KV store, e.g. shm:///NAME: the server's with --server "
         "(default: a temporary one)",
     )
+    p.add_argument(
+        "--generate",
+        type=int_at_least(1),
+        default=None,
+        metavar="G",
+        help="score compression while generating: each document's greedy "
+        "generation of G tokens is the reference (needs --every; no passkey)",
+    )
+    p.add_argument(
+        "--every",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="with --generate: compress the cache every N tokens",
+    )
+    p.add_argument(
+        "--budget",
+        type=int_at_least(1),
+        default=None,
+        metavar="B",
+        help="with --generate: every edit keeps at most B tokens each round "
+        "(instead of --keep's fractions)",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int_at_least(1),
+        default=None,
+        metavar="T",
+        help="with --generate: cut each document to exactly T tokens",
+    )
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument(
         "--plot", metavar="PATH", help="draw quality against keep (needs 'plot')"
@@ -150,6 +181,8 @@ def eval_config_from_args(
     """
     check_path(parser, "--json", args.json)
     check_path(parser, "--plot", args.plot)
+    if args.plot is not None and args.generate is not None:
+        parser.error("--plot draws quality against keep; not with --generate")
     if args.plot is not None:
         try:
             require_matplotlib()
@@ -170,6 +203,10 @@ def eval_config_from_args(
             rerotate=args.rerotate,
             server=args.server,
             store=args.store,
+            generate=args.generate,
+            every=args.every,
+            budget=args.budget,
+            prompt_tokens=args.prompt_tokens,
         )
     except ValueError as exc:
         parser.error(f"invalid configuration: {exc}")
@@ -195,7 +232,7 @@ def run_eval_command(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     if args.json is not None:
         result.write_json(args.json)
         print(f"\nJSON written to {args.json}")
-    if args.plot is not None:
+    if args.plot is not None and isinstance(result, EvalResult):
         result.write_plot(args.plot)
         print(f"plot written to {args.plot}")
     return 0

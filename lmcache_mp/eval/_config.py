@@ -69,6 +69,17 @@ class EvalConfig:
         store: The KV store URL; needed with ``server`` (default: a
             temporary store, removed at the end). A given store is left
             as it is, with the eval's KV in it.
+        generate: Score compression while generating instead: each
+            document's uncompressed greedy generation of this many tokens
+            is the reference, and each edit compresses the cache every
+            ``every`` tokens of it (see ``lmcache_mp.eval._generate``); no
+            passkey then.
+        every: Tokens between two compressions, with ``generate``.
+        budget: With ``generate``, every edit keeps at most this many
+            tokens each round (instead of each ``keeps`` fraction of the
+            tokens it is given).
+        prompt_tokens: With ``generate``, each document cut to exactly
+            this many tokens (default: the documents as they are).
 
     Raises:
         ValueError: If an edit is unknown or named twice, a keep is not in
@@ -90,6 +101,10 @@ class EvalConfig:
     rerotate: bool | None = None
     server: str | None = None
     store: str | None = None
+    generate: int | None = None
+    every: int | None = None
+    budget: int | None = None
+    prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "edits", tuple(self.edits))
@@ -124,11 +139,55 @@ class EvalConfig:
             )
         if self.workers is not None:
             check_count("EvalConfig", "workers", self.workers)
+        self._check_generate()
         if self.server is not None and self.store is None:
             raise ValueError(
                 "EvalConfig.server needs EvalConfig.store: the URL of the "
                 "store the server reads and writes (lmcache-mp serve --store)"
             )
+
+    def _check_generate(self) -> None:
+        """The generation options: together, and positive."""
+        options = ("every", "budget", "prompt_tokens")
+        if self.generate is None:
+            given = [name for name in options if getattr(self, name) is not None]
+            if given:
+                raise ValueError(
+                    f"EvalConfig.{given[0]} needs EvalConfig.generate: it "
+                    "sizes compression while generating"
+                )
+            return
+        check_count("EvalConfig", "generate", self.generate)
+        if self.every is None:
+            raise ValueError(
+                "EvalConfig.generate needs EvalConfig.every: the tokens "
+                "between two compressions"
+            )
+        for name in options:
+            if getattr(self, name) is not None:
+                check_count("EvalConfig", name, getattr(self, name))
+        if self.server is not None:
+            raise ValueError(
+                "EvalConfig.generate runs on the embedded engines; a served "
+                "model is scored on prompts only (leave out server)"
+            )
+
+    @property
+    def generate_tokens(self) -> int:
+        """``generate``, which a generation eval has (else 0)."""
+        return self.generate or 0
+
+    @property
+    def every_tokens(self) -> int:
+        """``every``, which a generation eval has (else 0)."""
+        return self.every or 0
+
+    @property
+    def sizes(self) -> list[tuple[str, dict[str, Any]]]:
+        """Each size an edit runs at: its label and its parameter."""
+        if self.budget is not None:
+            return [(f"budget {self.budget}", {"budget": self.budget})]
+        return [(f"keep {k:g}", {"keep": k}) for k in self.keeps]
 
     @property
     def needs_queries(self) -> bool:

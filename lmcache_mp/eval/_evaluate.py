@@ -27,6 +27,7 @@ from lmcache_mp._harness.progress import ProgressLine
 from lmcache_mp._harness.prompts import (
     Passkey,
     document_prompts,
+    document_tokens,
     passkey_prompts,
 )
 from lmcache_mp.batch import LMCacheBatchedStream
@@ -34,6 +35,13 @@ from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.edits import KIND_EDITS, Edit, make_edit
 from lmcache_mp.eval._config import EvalConfig
 from lmcache_mp.eval._engine import EvalEngine, open_engine, served_engine
+from lmcache_mp.eval._generate import (
+    GenerateResult,
+    GenerateRow,
+    common_prefix,
+    free_running,
+    teacher_forced,
+)
 from lmcache_mp.eval._table import EvalResult, EvalRow
 from lmcache_mp.kv import KVStore, connect
 
@@ -131,10 +139,7 @@ class _Eval:
 
     def variant(self, name: str, keep: float) -> EvalRow:
         """Run one edit at one keep; its row."""
-        params = dict(EDIT_PARAMS.get(name, {}))
-        if self.config.rerotate is not None:
-            params["rerotate"] = self.config.rerotate
-        edit = make_edit(name, keep=keep, attention=self.model.attention, **params)
+        edit = self._edit(name, {"keep": keep})
         kinds = len(self.contexts) if name in KIND_EDITS else 1
         salt = f"{name}@{keep}"
         prompts = self.documents + self.haystacks
@@ -174,15 +179,123 @@ class _Eval:
     def _fresh(
         self, batch: LMCacheBatchedStream, salt: str, kinds: int
     ) -> tuple[list[str], list[str]]:
-        """New streams of the prompts under ``salt``, their uncompressed KV
+        """New streams of the documents and the haystacks under ``salt``,
+        needing no prefill (:meth:`_copies`)."""
+        return (
+            self._copies(batch, self.documents, salt, kinds),
+            self._copies(batch, self.haystacks, salt, kinds),
+        )
+
+    def _copies(
+        self,
+        batch: LMCacheBatchedStream,
+        prompts: list[list[int]],
+        salt: str,
+        kinds: int,
+    ) -> list[str]:
+        """New streams of ``prompts`` under ``salt``, their uncompressed KV
         (and queries) copied there, so that they need no prefill."""
-        for prompt in self.documents + self.haystacks:
+        for prompt in prompts:
             for ctx in self.contexts[:kinds]:
                 _copy(ctx, prompt, salt)
-        return (
-            self._add(batch, self.documents, salt, kinds),
-            self._add(batch, self.haystacks, salt, kinds),
+        return self._add(batch, prompts, salt, kinds)
+
+    def generation(self) -> tuple[list[GenerateRow], list[list[int]]]:
+        """Run the uncompressed generation, then each edit at each size
+        compressing while generating; the rows, and the prompts."""
+        cfg = self.config
+        prompts = self.documents
+        if cfg.prompt_tokens is not None:
+            prompts = document_tokens(self.model.encode, cfg.prompts, cfg.prompt_tokens)
+        kinds = len(self.contexts)
+        self.batch.prefill(
+            _GREEDY, stream_ids=self._add(self.batch, prompts, "", kinds)
         )
+        ids = self._copies(self.batch, prompts, "none", kinds)
+        outputs, speed = free_running(self.batch, ids, cfg, None)
+        engine = self.model.engine
+        reference = Reference(
+            outputs,
+            [engine.score(p, o, "") for p, o in zip(prompts, outputs, strict=True)],
+        )
+        scored = [
+            top1_agreement(lp, o)
+            for lp, o in zip(reference.logprobs, outputs, strict=True)
+        ]
+        top1 = float(np.concatenate(scored).mean())
+        rounds = range(0, cfg.generate_tokens, cfg.every_tokens)
+        rows = [
+            GenerateRow(
+                "none",
+                "-",
+                top1,
+                0.0,
+                [top1] * len(rounds),
+                [0.0] * len(rounds),
+                float(cfg.generate_tokens),
+                1.0,
+                speed,
+            )
+        ]
+        for name in cfg.edits:
+            for size, param in cfg.sizes:
+                with ProgressLine(f"[eval] {name} {size} while generating"):
+                    rows.append(self._generating(name, size, param, prompts, reference))
+        return rows, prompts
+
+    def _generating(
+        self,
+        name: str,
+        size: str,
+        param: dict[str, Any],
+        prompts: list[list[int]],
+        reference: Reference,
+    ) -> GenerateRow:
+        """One edit at one size, compressing while generating; its row."""
+        cfg = self.config
+        edit = self._edit(name, param)
+        kinds = len(self.contexts) if name in KIND_EDITS else 1
+        salt = f"{name}@{size}"
+        ids = self._copies(self.batch, prompts, salt, kinds)
+        rounds = teacher_forced(
+            self.batch, ids, cfg, edit, self.model.engine, reference, salt
+        )
+        positions = sum(r["positions"] for r in rounds)
+        ids = self._copies(self.batch, prompts, f"{salt}/free", kinds)
+        outputs, speed = free_running(self.batch, ids, cfg, edit)
+        thread_s = speed.modify_s
+        if self.batch.executor.name != "thread":
+            ids = self._copies(self.threads, prompts, f"{salt}/thread", kinds)
+            thread_s = free_running(self.threads, ids, cfg, edit)[1].modify_s
+        prefixes = [
+            common_prefix(o, r) for o, r in zip(outputs, reference.tokens, strict=True)
+        ]
+        return GenerateRow(
+            name,
+            size,
+            sum(r["top1"] * r["positions"] for r in rounds) / positions,
+            sum(r["kl"] * r["positions"] for r in rounds) / positions,
+            [r["top1"] for r in rounds],
+            [r["kl"] for r in rounds],
+            float(np.mean(prefixes)),
+            float(
+                np.mean(
+                    [
+                        p == len(r)
+                        for p, r in zip(prefixes, reference.tokens, strict=True)
+                    ]
+                )
+            ),
+            speed,
+            thread_s,
+        )
+
+    def _edit(self, name: str, param: dict[str, Any]) -> Edit:
+        """The edit ``name`` sized by ``param``, with the eval's options."""
+        params = {**EDIT_PARAMS.get(name, {}), **param}
+        if self.config.rerotate is not None:
+            params["rerotate"] = self.config.rerotate
+        return make_edit(name, attention=self.model.attention, **params)
 
     @staticmethod
     def _modify(batch: LMCacheBatchedStream, edit: Edit, ids: list[str]) -> float:
@@ -194,7 +307,9 @@ class _Eval:
         return time.perf_counter() - begin
 
 
-def evaluate(config: EvalConfig | None = None, **overrides: Any) -> EvalResult:
+def evaluate(
+    config: EvalConfig | None = None, **overrides: Any
+) -> EvalResult | GenerateResult:
     """Measure what each edit at each keep keeps of the model's output.
 
     For ``config.prompts`` documents, the uncompressed run's greedy
@@ -214,8 +329,12 @@ def evaluate(config: EvalConfig | None = None, **overrides: Any) -> EvalResult:
         config: The eval (default ``EvalConfig()``).
         **overrides: Fields replacing the config's, e.g. ``keeps=(0.5,)``.
 
+    With ``config.generate``, it scores compression while generating
+    instead (:mod:`lmcache_mp.eval._generate`).
+
     Returns:
-        The result: table, JSON and plot.
+        The result: table, JSON and plot (a :class:`GenerateResult`, with
+        no plot, for ``config.generate``).
 
     Raises:
         ValueError: For an invalid config (see :class:`EvalConfig`).
@@ -254,6 +373,16 @@ def evaluate(config: EvalConfig | None = None, **overrides: Any) -> EvalResult:
             LMCacheBatchedStream("thread") as threads,
         ):
             run = _Eval(config, model, contexts, batch, threads)
+            if config.generate is not None:
+                with ProgressLine("[eval] uncompressed generation"):
+                    generated, prompts = run.generation()
+                return GenerateResult(
+                    config,
+                    generated,
+                    float(np.mean([len(p) for p in prompts])),
+                    time.perf_counter() - begin,
+                    created,
+                )
             with ProgressLine("[eval] uncompressed"):
                 rows = [run.uncompressed()]
             for name in config.edits:
