@@ -74,7 +74,8 @@ def expected_state(prefilled: StreamState, edits: int) -> StreamState:
     """A stream's state after ``edits`` committed edits of its prefilled state.
 
     The first edit sees the cached prompt; the generated token, not cached
-    (it fills no chunk), moves to the suffix and stays there.
+    (it fills no chunk), moves to the suffix and stays there; the state
+    notes the tokens the last edit left.
     """
     if edits == 0:
         return prefilled.copy()
@@ -83,6 +84,7 @@ def expected_state(prefilled: StreamState, edits: int) -> StreamState:
         prefilled.copy(),
         tokens=[t + edits for t in prompt],
         suffix=prefilled.tokens[PROMPT_LEN:],
+        edited=PROMPT_LEN,
     )
 
 
