@@ -99,16 +99,21 @@ def name_list(what: str, known: Sequence[str]) -> Callable[[str], tuple[str, ...
 
 
 def add_int(
-    group: argparse._ActionsContainer, flag: str, least: int, default: int, text: str
+    group: argparse._ActionsContainer,
+    flag: str,
+    least: int,
+    default: int | None,
+    text: str,
 ) -> None:
     """Add an integer option ``flag`` (at least ``least``) to ``group``, its
-    help ``text`` followed by the default."""
+    help ``text`` followed by the default (``None``: the option is off
+    unless given, and its help says no default)."""
     group.add_argument(
         flag,
         type=int_at_least(least),
         default=default,
         metavar="N",
-        help=f"{text} (default: {default})",
+        help=text if default is None else f"{text} (default: {default})",
     )
 
 

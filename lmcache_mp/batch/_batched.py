@@ -137,6 +137,26 @@ class LMCacheBatchedStream:
             raise LMCacheBatchedStreamError("the batch is closed")
         return select_streams(self.streams, stream_ids)
 
+    def _run_modify(
+        self,
+        ids: list[str],
+        fn: ModifyFn,
+        phase_timeout: float | None,
+        timeout: float,
+        poll_interval: float,
+        array: str | None,
+    ) -> tuple[float, dict[str, BaseException]]:
+        """Run a modify phase of ``fn`` over ``ids`` (:meth:`_run`)."""
+        return self._run(
+            ids,
+            phase_timeout,
+            kind="modify",
+            fn=fn,
+            retrieve_timeout=timeout,
+            poll_interval=poll_interval,
+            array=self._array if array is None else array,
+        )
+
     def _run(
         self, ids: list[str], phase_timeout: float | None, **spec_args: Any
     ) -> tuple[float, dict[str, BaseException]]:
@@ -208,14 +228,8 @@ class LMCacheBatchedStream:
         self.modify_metrics.clear()
         duration, failures = 0.0, dict[str, BaseException]()
         if ids:
-            duration, failures = self._run(
-                ids,
-                phase_timeout,
-                kind="modify",
-                fn=fn,
-                retrieve_timeout=timeout,
-                poll_interval=poll_interval,
-                array=self._array if array is None else array,
+            duration, failures = self._run_modify(
+                ids, fn, phase_timeout, timeout, poll_interval, array
             )
         metrics = modify_report(
             duration,
@@ -586,14 +600,8 @@ class LMCacheBatchedStream:
             if not active or left <= 0:
                 break
             self.modify_metrics.clear()
-            duration, failures = self._run(
-                active,
-                phase_timeout,
-                kind="modify",
-                fn=compress,
-                retrieve_timeout=timeout,
-                poll_interval=poll_interval,
-                array=self._array if array is None else array,
+            duration, failures = self._run_modify(
+                active, compress, phase_timeout, timeout, poll_interval, array
             )
             rounds.modified(duration, self.modify_metrics, failures)
             self.round_metrics.append(dict(self.modify_metrics))

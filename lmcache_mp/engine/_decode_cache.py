@@ -99,7 +99,6 @@ class DecodeCache:
             and queries is not None
             and self._queries_from is not None
             and begin >= self._queries_from
-            and (self._queries_from == 0 or isinstance(self._query_ctx, KVStore))
         ):
             _store_range(self._query_ctx, queries, tokens, self._salt, begin)
         _store_range(self._ctx, kv, tokens, self._salt, begin)

@@ -130,35 +130,25 @@ def add_eval_parser(
         help="the KV store, e.g. shm:///NAME: the server's with --server "
         "(default: a temporary one)",
     )
-    p.add_argument(
+    add_int(
+        p,
         "--generate",
-        type=int_at_least(1),
-        default=None,
-        metavar="G",
-        help="score compression while generating: each document's greedy "
-        "generation of G tokens is the reference (needs --every; no passkey)",
+        1,
+        None,
+        "score compression while generating: each document's greedy "
+        "generation of N tokens is the reference (needs --every; no passkey)",
     )
-    p.add_argument(
-        "--every",
-        type=int_at_least(1),
-        default=None,
-        metavar="N",
-        help="with --generate: compress the cache every N tokens",
-    )
-    p.add_argument(
+    add_int(p, "--every", 1, None, "with --generate: compress every N tokens")
+    add_int(
+        p,
         "--budget",
-        type=int_at_least(1),
-        default=None,
-        metavar="B",
-        help="with --generate: every edit keeps at most B tokens each round "
+        1,
+        None,
+        "with --generate: every edit keeps at most N tokens each round "
         "(instead of --keep's fractions)",
     )
-    p.add_argument(
-        "--prompt-tokens",
-        type=int_at_least(1),
-        default=None,
-        metavar="T",
-        help="with --generate: cut each document to exactly T tokens",
+    add_int(
+        p, "--prompt-tokens", 1, None, "with --generate: cut each document to N tokens"
     )
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument(

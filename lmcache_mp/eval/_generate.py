@@ -22,19 +22,16 @@ prompts' uncompressed KV, under its own salt:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from tabulate import tabulate
-
 from lmcache_mp._harness.agreement import Reference, agreement
-from lmcache_mp._util.paths import atomic_write_text
 from lmcache_mp.batch import LMCacheBatchedStream
 from lmcache_mp.edits import Edit
 from lmcache_mp.eval._config import EvalConfig
+from lmcache_mp.eval._table import page, write_json
 
 __all__ = [
     "GENERATE_SCHEMA",
@@ -317,15 +314,7 @@ class GenerateResult:
             "none: against the uncompressed generation (above 1: faster); "
             "wall s: decode and the rounds' modifies"
         )
-        return "\n".join(
-            [
-                title,
-                "",
-                tabulate(table, headers=headers, disable_numparse=True),
-                "",
-                note,
-            ]
-        )
+        return page(title, headers, table, note)
 
     def to_dict(self) -> dict[str, Any]:
         """The result, JSON-ready::
@@ -352,7 +341,7 @@ class GenerateResult:
         Raises:
             OSError: If the file cannot be written.
         """
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+        write_json(path, self.to_dict())
 
 
 def _ratio(value: float, base: float) -> str:

@@ -14,7 +14,7 @@ from lmcache_mp._harness.options import require_matplotlib
 from lmcache_mp._util.paths import atomic_write_text
 from lmcache_mp.eval._config import EvalConfig
 
-__all__ = ["EVAL_SCHEMA", "EvalResult", "EvalRow"]
+__all__ = ["EVAL_SCHEMA", "EvalResult", "EvalRow", "page", "write_json"]
 
 #: The ``schema`` of :meth:`EvalResult.to_dict`.
 EVAL_SCHEMA = "lmcache-mp-eval/1"
@@ -46,6 +46,21 @@ class EvalRow:
     passkey: float
     modify_s: float | None = None
     thread_modify_s: float | None = None
+
+
+def page(title: str, headers: list[str], table: list[list[str]], note: str) -> str:
+    """A result as printed: its title, its table, what the columns mean."""
+    body = tabulate(table, headers=headers, disable_numparse=True)
+    return "\n".join([title, "", body, "", note])
+
+
+def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
+    """Write ``data`` as indented JSON, replacing ``path`` atomically.
+
+    Raises:
+        OSError: If the file cannot be written.
+    """
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def _seconds(value: float | None) -> str:
@@ -129,15 +144,7 @@ class EvalResult:
                 "; through the server, KL is taken over its top-20 tokens per "
                 "position, the rest of the mass spread evenly (top-1 exact)"
             )
-        return "\n".join(
-            [
-                title,
-                "",
-                tabulate(table, headers=headers, disable_numparse=True),
-                "",
-                note,
-            ]
-        )
+        return page(title, headers, table, note)
 
     def to_dict(self) -> dict[str, Any]:
         """The result, JSON-ready::
@@ -163,7 +170,7 @@ class EvalResult:
         Raises:
             OSError: If the file cannot be written.
         """
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+        write_json(path, self.to_dict())
 
     def write_plot(self, path: str | os.PathLike[str]) -> None:
         """Draw quality against keep, one line per edit: top-1 agreement,
