@@ -1,4 +1,4 @@
-"""Specification of ``executor="auto"`` and the GIL hints (issue #12).
+"""Specification of ``executor="auto"`` and the GIL hints.
 
 Decisions are checked on fns that are clearly GIL-bound (a pure-Python loop
 of tens of milliseconds) or clearly not (a sleep, which releases the GIL);
@@ -145,7 +145,7 @@ def test_gil_watch_stops_its_thread() -> None:
         (0.5, 1.0, 1.0, 0.0, "process"),  # GIL-bound, pool running
         (0.5, 1.0, 1.0, 1.0, "process"),  # GIL-bound and long enough to start one
         # GIL-bound on a busy machine: half its wall time it waited for a
-        # core, holding the GIL all along; not waits threads overlap (#20).
+        # core, holding the GIL all along; not waits threads overlap.
         (0.3, 0.98, 0.5, 0.0, "process"),
         (0.2, 0.05, 1.0, 0.0, "process"),  # BLAS work: processes use both cores
         (0.002, 1.0, 1.0, 1.0, "thread"),  # GIL-bound but cheap: not worth a start
@@ -170,7 +170,7 @@ def test_weigh_counts_a_gil_holding_fn_as_serial_on_threads(
     cores: int, cpu: float
 ) -> None:
     """A fn holding the GIL all its wall time costs the sum of its streams on
-    threads, whatever the cores and however much of it was CPU (issue #20)."""
+    threads, whatever the cores and however much of it was CPU."""
     choice = weigh(0.3, 1.0, rest=7, cores=cores, start_s=0.0, cpu=cpu)
     assert choice.threads_s == pytest.approx(7 * 0.3)
     assert choice.executor == "process"
@@ -266,8 +266,7 @@ def test_measured_gil_holding_fn_goes_to_processes(
     auto_batch: lmc_batch.LMCacheBatchedStream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A fn measured holding the GIL 98% of a 300 ms stream, at half CPU
-    (a busy machine), runs on processes: threads would run it serially
-    (issue #20)."""
+    (a busy machine), runs on processes: threads would run it serially."""
     _inject(monkeypatch, wall_s=0.3, cpu=0.5, held=0.98)
     report = auto_batch.modify(quick)
     assert os.getpid() not in _pids(auto_batch)
@@ -300,7 +299,7 @@ def test_a_running_pool_measures_the_first_stream_in_a_full_round(
     auto_batch: lmc_batch.LMCacheBatchedStream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the pool running, the measured stream runs in a worker while
-    the other worker runs the second: nothing runs alone (issue #20)."""
+    the other worker runs the second: nothing runs alone."""
     _inject(monkeypatch, wall_s=0.05, cpu=0.0, held=0.0)
     auto_batch.modify(quick)
     pids = _pids(auto_batch)

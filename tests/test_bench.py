@@ -87,8 +87,8 @@ def all_executors() -> dict[str, Any]:
 
 def test_no_flags_runs_the_default_config() -> None:
     """``lmcache-mp bench`` with no flags runs BenchConfig's defaults:
-    SmolLM2-135M (issue #21), 4 streams x 512 tokens, thread and process on
-    the GIL-bound pyscore edit (issue #12: the default run is about
+    SmolLM2-135M, 4 streams x 512 tokens, thread and process on
+    the GIL-bound pyscore edit (the default run is about
     modify), no sweep, one repeat."""
     config = parse()
     assert config == BenchConfig()
@@ -252,7 +252,7 @@ def test_plot_without_matplotlib_is_a_usage_error_naming_the_extra(
     assert not (tmp_path / "x.png").exists()
 
 
-# -- real shapes (issue #20) -------------------------------------------------------
+# -- real shapes -------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -502,7 +502,7 @@ def test_failed_streams_are_reported_and_the_run_goes_on(
 ) -> None:
     """A stream failing a phase does not end the benchmark: the phase's
     figures count it, the other phases run, the table says FAILED and the
-    command's result counts it (issue #20: lost KV showed no table)."""
+    command's result counts it."""
     config = BenchConfig(executors=("thread",), **TINY)
     first = config.prompts()[0][0]
     monkeypatch.setattr(BenchConfig, "edit", lambda self, name: _FailsOn(first))
@@ -675,7 +675,7 @@ def test_an_edits_attention_config_is_json_data_and_one_short_line() -> None:
 
 def test_auto_is_rated_against_the_better_of_threads_and_processes() -> None:
     """The notes give auto's and auto-unhinted's modify speed over the
-    faster of thread and process (issue #20's goal: >= 0.95x)."""
+    faster of thread and process (the project's goal: >= 0.95x)."""
     walls = {"thread": 3.0, "process": 2.0, "auto": 2.5, "auto-unhinted": 4.0}
     runs = {n: _run(n, dict.fromkeys(PHASES, w), 9.0, 4) for n, w in walls.items()}
     config = BenchConfig(executors=tuple(walls), **TINY)
@@ -687,7 +687,7 @@ def test_auto_is_rated_against_the_better_of_threads_and_processes() -> None:
 def test_peak_rss_is_rated_against_the_kv_held_and_two_streams_per_worker(
     synthetic_run: dict[str, Any],
 ) -> None:
-    """The notes give each executor's bound of issue #20 (the KV the store
+    """The notes give each executor's memory bound (the KV the store
     holds at the end + 2 streams' KV per worker + 1 GiB) and name the
     phases whose peak RSS is above it, and only those."""
     point = copy.deepcopy(synthetic_run["points"][0])
@@ -712,7 +712,7 @@ def test_peak_rss_is_not_rated_for_a_model_engine(
     all_executors: dict[str, Any],
 ) -> None:
     """A model engine's workers each hold its weights, so the notes of a
-    run on one (here the toy model) give no bound of issue #20."""
+    run on one (here the toy model) give no memory bound."""
     point = all_executors["points"][0]
     assert point["config"]["engine"] == "toy"
     assert point["executors"]["process"]["phases"]["modify"]["tokens_after"]
@@ -863,7 +863,7 @@ def test_header_warns_when_threads_cannot_cap_blas() -> None:
     )
 
 
-# --- bench --compare (issue #12) ---------------------------------------------
+# --- bench --compare ---------------------------------------------
 
 
 def _tiny_compare_config() -> BenchConfig:
@@ -936,7 +936,7 @@ def test_compare_table_shows_runners_and_references() -> None:
 def test_the_compression_methods_run_in_the_bench(edit: str) -> None:
     """A KIND edit (h2o: its streams get a QUERY context) and streamingllm
     (rerotating with the toy model's attention) run on threads and
-    processes and keep the asked fraction of the tokens (issue #21)."""
+    processes and keep the asked fraction of the tokens."""
     config = BenchConfig(executors=("thread", "process"), edits=(edit,), **TINY)
     point = run_bench(config, progress=False).to_dict()["points"][0]
     prompt_tokens = TINY["streams"] * TINY["prompt_tokens"]

@@ -1,5 +1,5 @@
 """The bench on a trained model, and the edit's agreement with the
-uncompressed run that every point on a scoring engine reports (issue #21)."""
+uncompressed run that every point on a scoring engine reports."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The real-shape bench's stand-in engine moves its KV a chunk at a time
-(issue #20: a prefill holding each in-flight stream's whole KV put every
+(a prefill holding each in-flight stream's whole KV put every
 worker 2 GiB over the memory bound at Llama-3-8B's shape)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Large KV arrays come from a pool of reused mappings (issue #20): fast to
+"""Large KV arrays come from a pool of reused mappings: fast to
 fill, and never shared by two live arrays."""
 
 from __future__ import annotations

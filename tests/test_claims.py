@@ -1,4 +1,4 @@
-"""Specification of the claims tasks take on their streams (issue #10):
+"""Specification of the claims tasks take on their streams:
 how a lost worker's streams are told apart, and how an engine's own retry
 of a task is refused instead of running a stream twice."""
 

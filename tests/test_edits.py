@@ -512,7 +512,7 @@ def test_redundancy_max_is_each_tokens_closest_other_token(
 def test_redundancy_holds_one_layers_float32_keys_at_a_time() -> None:
     """Scoring converts the keys to float32 a layer at a time: beside its
     result, the edit allocates well under the float32 keys of every layer
-    (issue #20: 512 MiB more per Llama-3-8B stream). The KV is untouched."""
+    (512 MiB more per Llama-3-8B stream). The KV is untouched."""
     kv = np.random.default_rng(0).standard_normal((2, 64, 512, 64))
     kv = kv.astype(np.float16)
     before = kv.copy()

@@ -1,4 +1,4 @@
-"""The KV-compression methods of issue #21 against direct references.
+"""The KV-compression methods against direct references.
 
 Each reference below is the method's rule written out directly (unblocked
 O(T^2) where the rule is, loops over layers and query heads), independent

@@ -172,7 +172,7 @@ def test_decoding_matches_prefilling_the_generated_text() -> None:
 def test_one_pass_holds_one_layer_of_float64_grid_at_a_time() -> None:
     """A single pass over an empty sequence (a prefill that decodes nothing
     more) never holds the whole KV as float64 grid copies, only one layer's
-    (issue #20: that copy was 2 GiB per Llama-3-8B-sized prefill)."""
+    (that copy was 2 GiB per Llama-3-8B-sized prefill)."""
     # Many thin layers: the whole grid dwarfs one layer's activations.
     config = EngineConfig(layers=48, kv_heads=2, head_dim=32, d_model=32)
     tokens = prompt_of(1000, seed=2)

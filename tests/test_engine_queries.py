@@ -1,4 +1,4 @@
-"""The embedded engine's query recording (``query_ctx``, issue #11)."""
+"""The embedded engine's query recording (``query_ctx``)."""
 
 from __future__ import annotations
 

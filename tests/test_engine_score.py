@@ -1,5 +1,5 @@
 """EmbeddedEngine.score: HFEngine.score's contract on the toy model
-(teacher-forced log-probabilities over the cached prefix; issue #21)."""
+(teacher-forced log-probabilities over the cached prefix)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Specification of ``lmcache-mp eval`` (issue #21): its figures follow
+"""Specification of ``lmcache-mp eval``: its figures follow
 their definitions, its prompts are what they say, its outputs are written.
 The toy engine runs where the model is not the point; one test runs
 SmolLM2-135M."""

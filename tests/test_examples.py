@@ -1,4 +1,4 @@
-"""Specification of the examples that compare edits (issue #11): they run
+"""Specification of the examples that compare edits: they run
 on lmcache_mp with upstream 0.5.6's names, at the budget they say."""
 
 from __future__ import annotations

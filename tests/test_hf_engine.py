@@ -1,6 +1,6 @@
 """Specification of HFEngine: a trained model (SmolLM2-135M, through
 ``transformers`` on the CPU) behind ``post_completion``, with LMCache's
-prefix cache and vLLM's KV layout (issue #19)."""
+prefix cache and vLLM's KV layout."""
 
 from __future__ import annotations
 
@@ -464,7 +464,7 @@ def _pool_run(
 def test_upstreams_chunk_drop_with_rerotation_runs_on_the_pool(
     model_engine: HFEngine, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The notebook's chunk drop runs as a torch fn on the pool over SmolLM2's KV: decoding differs from the undropped run yet stays fluent, and rerotating agrees more with the undropped continuation than not (issue #19)."""
+    """The notebook's chunk drop runs as a torch fn on the pool over SmolLM2's KV: decoding differs from the undropped run yet stays fluent, and rerotating agrees more with the undropped continuation than not."""
     import functools
 
     ctx = connect(f"shm:///test-hf-{secrets.token_hex(6)}", chunk_size=CHUNK)

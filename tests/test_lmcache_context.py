@@ -1,4 +1,4 @@
-"""lmcache_context: upstream LMCache's SDK context in process workers (issue #11).
+"""lmcache_context: upstream LMCache's SDK context in process workers.
 
 Run against upstream's real multiprocess server (``lmcache==0.5.6``) on
 loopback, started by the module's fixture, with a KV layout registered the

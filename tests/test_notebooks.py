@@ -1,5 +1,4 @@
-"""Specification of "code written for either upstream API runs unchanged"
-(issue #11): a notebook written for upstream 0.5.6 and the seed's script
+"""Specification of "code written for either upstream API runs unchanged": a notebook written for upstream 0.5.6 and the seed's script
 run on lmcache_mp's process pool with only their import lines changed, and
 give what the thread executor (upstream's design) gives."""
 

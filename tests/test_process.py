@@ -296,7 +296,7 @@ def test_a_hold_leaves_the_jobs_not_sent_yet_unrun(
 ) -> None:
     """A hold that says stop once the first outcome is back: with one job in
     flight, the other three are never sent; they are named unrun, and have
-    no outcome (what auto uses to move them to threads, issue #20)."""
+    no outcome (what auto uses to move them to threads)."""
     run, ids, asked = _run_held(store, start_method, True, max_in_flight=1)
     assert asked == [1]
     assert list(run.outcomes) == ids[:1]

@@ -1,4 +1,4 @@
-"""Specification of upstream 0.5.6's request API (issue #11): streams over
+"""Specification of upstream 0.5.6's request API: streams over
 one context per cache kind, fns taking ``{kind: tensor}``, the batch's
 ``request_streams`` names, on the same implementation as the seed's API.
 """
@@ -424,7 +424,7 @@ def test_without_torch_a_kinds_fn_gets_numpy(
 def test_a_stream_without_contexts_only_generates(
     executor: str, opts: dict[str, Any], kinds_store: tuple[Any, Any]
 ) -> None:
-    """LMCacheRequestStream(contexts=[]) is valid, as upstream: it prefills and decodes on any executor (issue #19)."""
+    """LMCacheRequestStream(contexts=[]) is valid, as upstream: it prefills and decodes on any executor."""
     kv_ctx, _ = kinds_store
     stream = lmc_request.LMCacheRequestStream(
         contexts=[], post_completion=FakeEngine(kv_ctx), prompt_token_ids=PROMPT
@@ -465,7 +465,7 @@ def test_a_modify_needing_a_missing_kind_fails_only_that_stream(
     executor: str,
     kinds_store: tuple[Any, Any],
 ) -> None:
-    """A modify of a stream lacking a kind its fn needs fails it with a typed error naming it; the others commit (issue #19)."""
+    """A modify of a stream lacking a kind its fn needs fails it with a typed error naming it; the others commit."""
     kv_ctx, q_ctx = kinds_store
     with lmc_batch.LMCacheBatchedStream(executor, max_workers=2) as batch:
         good = lmc_request.create_request(
@@ -506,7 +506,7 @@ def test_a_modify_needing_a_missing_kind_fails_only_that_stream(
 def test_timeout_is_how_long_a_modify_waits_for_the_kv(
     call: Any, kinds_store: tuple[Any, Any]
 ) -> None:
-    """timeout= of every modify call is upstream's: the wait for each stream's KV, not the phase's limit (issue #19)."""
+    """timeout= of every modify call is upstream's: the wait for each stream's KV, not the phase's limit."""
     kv_ctx, q_ctx = kinds_store
     with lmc_batch.LMCacheBatchedStream("thread") as batch:
         never_prefilled = lmc_request.create_request(
@@ -521,7 +521,7 @@ def test_timeout_is_how_long_a_modify_waits_for_the_kv(
 
 
 def test_the_batch_takes_upstreams_phase_arguments_by_their_names() -> None:
-    """Every parameter of upstream 0.5.6's batch phases exists here with its default, timeout included (issue #19)."""
+    """Every parameter of upstream 0.5.6's batch phases exists here with its default, timeout included."""
     from lmcache.sdk.batch import LMCacheBatchedStream as Upstream
 
     for name in (

@@ -1,4 +1,4 @@
-"""AttentionConfig and rerotate_keys: moving keys' RoPE (issue #19)."""
+"""AttentionConfig and rerotate_keys: moving keys' RoPE."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Specification of scale-out (issue #10): the same batch on Dask and Ray,
+"""Specification of scale-out: the same batch on Dask and Ray,
 with the shared-memory store or Redis.
 
 The clusters are real: a Dask scheduler and three ``dask worker``

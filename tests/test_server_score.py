@@ -1,4 +1,4 @@
-"""Teacher-forced scoring over HTTP (issue #21): ``OpenAICompletions.score``
+"""Teacher-forced scoring over HTTP: ``OpenAICompletions.score``
 against ``lmcache-mp serve`` (vLLM's ``prompt_logprobs`` and the legacy
 ``echo`` + ``logprobs``), and what the server answers to those shapes."""
 

@@ -1,4 +1,4 @@
-"""Specification of the ``snapkv`` edit: query-aware selection (issue #11)."""
+"""Specification of the ``snapkv`` edit: query-aware selection."""
 
 from __future__ import annotations
 

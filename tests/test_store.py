@@ -238,8 +238,8 @@ def test_non_contiguous_input_is_stored(ctx: KVStore) -> None:
 def test_kv_strided_along_its_tokens_round_trips_bit_exactly(
     ctx: KVStore, dtype: type
 ) -> None:
-    """An edit's view keeping every other token (staged chunk by chunk,
-    issue #20) stores each chunk's own tokens, bit for bit."""
+    """An edit's view keeping every other token (staged chunk by chunk)
+    stores each chunk's own tokens, bit for bit."""
     longer = list(range(500, 500 + 6 * C))
     kv = kv_of(longer, dtype=dtype)[:, :, ::2]
     kept = longer[::2]
@@ -479,7 +479,7 @@ def test_least_recently_used_chunk_is_evicted(stores: StoreFactory) -> None:
 def test_a_store_that_cannot_fit_stores_nothing(stores: StoreFactory) -> None:
     """A store whose chunks do not fit even after eviction raises
     KVCapacityError at once, naming bytes asked and allowed, and writes no
-    chunk of it (issue #20: nothing dropped silently)."""
+    chunk of it (nothing dropped silently)."""
     chunk_bytes = HEADER_SIZE + 2 * 2 * C * 4 * 4
     ctx = stores.connect(chunk_size=C, capacity_bytes=2 * chunk_bytes)
     with pytest.raises(KVCapacityError, match="capacity_bytes") as info:

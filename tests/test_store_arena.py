@@ -1,5 +1,5 @@
 """The shared-memory store's arena: chunk-file pages allocated before the
-store needs them, which its writes then fill (issue #20)."""
+store needs them, which its writes then fill."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Chunk-wise store and retrieve (``start=``): how an engine offloads a
-prefill, or loads a long prefix, a chunk at a time (issue #20, as
+prefill, or loads a long prefix, a chunk at a time (as
 LMCache's store and retrieve masks skip the tokens a caller holds).
 
 Every test runs on both backends (the shared-memory and Redis stores).

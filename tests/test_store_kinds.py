@@ -1,4 +1,4 @@
-"""Specification of cache kinds in the stores (issue #11).
+"""Specification of cache kinds in the stores.
 
 A store keeps each ``LMCacheSDKCacheKind`` in its own namespace with the
 same chunk semantics: KV is ``[2, L, T, D]``, QUERY ``[1, L, T, Dq]``.

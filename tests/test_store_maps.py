@@ -1,6 +1,6 @@
 """A store's arena kept mapped in each process that uses it: reads and
 writes go through mappings made once, and a removed store's pages are freed
-even where an idle process still maps them (issue #20)."""
+even where an idle process still maps them."""
 
 from __future__ import annotations
 

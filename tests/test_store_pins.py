@@ -1,4 +1,4 @@
-"""The store loses nothing silently (issue #20): an open batch pins its
+"""The store loses nothing silently: an open batch pins its
 streams' KV, a store that cannot fit fails at once, a retrieve of evicted
 KV fails at once, and a crashed batch's pins are reclaimed."""
 
@@ -337,7 +337,7 @@ def test_default_capacity_is_what_the_store_can_hold(
     expected: float,
 ) -> None:
     """The default capacity is the filesystem's free space, at most the
-    available RAM less a reserve (issue #20: not a quarter of free RAM)."""
+    available RAM less a reserve (not a quarter of free RAM)."""
     gib = 2**30
     memory = SimpleNamespace(total=int(total * gib), available=int(available * gib))
     monkeypatch.setattr(_capacity.psutil, "virtual_memory", lambda: memory)
@@ -352,7 +352,7 @@ def test_threads_storing_at_once_never_take_a_handle_past_capacity(
     """Sixteen threads of one process store a chunk each at once into a
     store with room for four: older chunks are evicted, and a store whose
     room other writes under way hold is refused (KVCapacityError); the
-    chunks left never exceed the capacity (issue #20)."""
+    chunks left never exceed the capacity."""
     ctx = stores.connect(chunk_size=C, capacity_bytes=4 * CHUNK)
     start = threading.Barrier(16)
 
@@ -376,7 +376,7 @@ def test_a_listing_while_another_is_half_read_sees_every_chunk(
     """A handle lists its store through a descriptor of its own: a listing
     of the handle's directory left half read (another thread's) does not
     move it past chunks, which would leave them out of the capacity count
-    (issue #20: os.scandir on the shared descriptor saw none of them)."""
+    (os.scandir on the shared descriptor saw none of them)."""
     ctx = stores.connect(chunk_size=C)
     for i in range(3):
         tokens = list(range(100 * i, 100 * i + C))

@@ -1,4 +1,4 @@
-"""Specification of torch modify fns: ``array="torch"`` (issue #11).
+"""Specification of torch modify fns: ``array="torch"``.
 
 torch is the optional ``torch`` extra; ``.ci/run`` and the README's test
 command install its CPU wheel, so these tests always run there. torch is
