@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import secrets
 import time
 from collections.abc import Iterator
@@ -49,11 +50,32 @@ _SHM_PREFIXES = ("psm_", "wnsm_")
 _SEMAPHORE_PREFIX = "sem.mp-"
 
 
+#: A private directory's owner: the pid after its prefix
+#: (``lmcache_mp._util.paths.private_tempdir``).
+_OWNER = re.compile(r"^lmcache-mp-[a-z-]+?-(\d+)-\d+-")
+
+
+def _ours(name: str) -> bool:
+    """Whether ``name`` can be this session's: not a directory whose owner
+    is another live process outside this one's tree (a second test run or
+    a benchmark of the same user on the machine)."""
+    owner = _OWNER.match(name)
+    if owner is None:
+        return True
+    pid = int(owner.group(1))
+    if pid == os.getpid() or not psutil.pid_exists(pid):
+        return True
+    try:
+        return any(p.pid == os.getpid() for p in psutil.Process(pid).parents())
+    except psutil.Error:
+        return True
+
+
 def _store_files() -> set[str]:
     return {
         name
         for name in os.listdir(shm_root())
-        if "lmcache" in name or name.startswith(_SHM_PREFIXES)
+        if ("lmcache" in name or name.startswith(_SHM_PREFIXES)) and _ours(name)
     }
 
 
