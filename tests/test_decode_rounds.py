@@ -15,7 +15,7 @@ import lmcache_mp.stream as lmc_stream
 from lmcache_mp import LMCacheSDKCacheKind, connect, request
 from lmcache_mp.edits import make_edit
 from lmcache_mp.engine import EmbeddedEngine, EngineConfig
-from lmcache_mp.errors import LMCacheBatchedStreamError
+from lmcache_mp.errors import LMCacheBatchedStreamError, LMCacheStreamError
 from lmcache_mp.kv import KVStore
 from lmcache_mp.stream import TokenEvent
 
@@ -255,3 +255,95 @@ def test_query_edits_score_with_the_latest_window_each_round(
                     assert m.info["queries"] == expected
     finally:
         queries.close()
+
+
+def test_a_round_leaves_a_stream_with_nothing_new_cached_as_it_is(
+    ctx: KVStore,
+) -> None:
+    """With rounds shorter than a chunk, a round in which a stream's
+    generated tokens completed no chunk since the last compression leaves
+    it as it is (the fn is not called: nothing new is cached, and no
+    queries of new tokens exist), and the rounds with a new chunk
+    compress it; a query-aware edit runs through such a generation."""
+    queries = ctx.for_kind(LMCacheSDKCacheKind.QUERY)
+    batch = lmc_batch.LMCacheBatchedStream("serial")
+    engine = EmbeddedEngine(ctx, EngineConfig(), query_ctx=queries)
+    every = 4
+    try:
+        with batch:
+            for prompt in _prompts():
+                batch.add(request.create_request([ctx, queries], engine, prompt, ""))
+            batch.prefill({"temperature": 0})
+            batch.decode(
+                {**GREEDY, "max_tokens": MAX_TOKENS},
+                compress=snapkv_noting_queries,
+                every=every,
+                array="numpy",
+            )
+            assert len(batch.round_metrics) == MAX_TOKENS // every - 1
+            called = [
+                [m.info is not None for m in figures.values()]
+                for figures in batch.round_metrics
+            ]
+            assert any(all(c) for c in called[1:])
+            assert any(not any(c) for c in called[1:])
+            for figures in batch.round_metrics:
+                for m in figures.values():
+                    assert m.tokens_after <= BUDGET
+                    if m.info is None:
+                        assert m.tokens_before == m.tokens_after
+            outputs = [s.state.output_ids for s in batch.streams.values()]
+            assert all(len(out) == 1 + MAX_TOKENS for out in outputs)
+    finally:
+        queries.close()
+
+
+def test_a_second_query_edit_with_nothing_cached_since_fails_naming_it(
+    ctx: KVStore,
+) -> None:
+    """A query-aware modify right after another, with no decode between,
+    fails naming the stream and what to do, instead of waiting for
+    queries no engine will record."""
+    queries = ctx.for_kind(LMCacheSDKCacheKind.QUERY)
+    engine = EmbeddedEngine(ctx, EngineConfig(), query_ctx=queries)
+    try:
+        stream = request.create_request([ctx, queries], engine, _prompts()[1], "")
+        stream.generate({"temperature": 0, "max_tokens": 1})
+        edit = make_edit("snapkv", budget=BUDGET, window=8)
+        stream.modify_kv(edit, array="numpy")
+        with pytest.raises(
+            LMCacheStreamError, match="nothing was cached since"
+        ) as info:
+            stream.modify_kv(edit, array="numpy")
+        assert info.value.stream_id and info.value.stream_id in str(info.value)
+    finally:
+        queries.close()
+
+
+@pytest.mark.parametrize("rerotate", [True, False])
+def test_rerotated_rounds_keep_every_key_at_its_index(
+    ctx: KVStore, rerotate: bool
+) -> None:
+    """With ``rerotate=True``, after every round the cached keys sit at
+    their indices in the stream's tokens: in layer 0, where a key depends
+    only on its token and position, the cache left by the rounds (kept
+    keys moved, later tokens decoded after them) equals a one-shot
+    prefill of the same tokens. Without it the kept keys keep their old
+    positions, and it does not."""
+    attention = EngineConfig().attention
+    edit = make_edit("knorm", budget=BUDGET, rerotate=rerotate, attention=attention)
+    with _batch(ctx) as batch:
+        batch.decode({**GREEDY, "max_tokens": MAX_TOKENS}, compress=edit, every=EVERY)
+        stream = next(iter(batch.streams.values()))
+        kv = stream.retrieve_kv()
+        tokens = list(stream.tokens)
+    with connect(chunk_size=CHUNK) as fresh:
+        one_shot = lmc_stream.create_request(
+            fresh, EmbeddedEngine(fresh, EngineConfig()), tokens
+        )
+        one_shot.generate({**GREEDY, "max_tokens": 1})
+        reference = one_shot.retrieve_kv()
+    cached = int(kv.shape[2])
+    assert cached > BUDGET
+    same = np.allclose(kv[:, 0], reference[:, 0, :cached], atol=1e-5)
+    assert same is rerotate

@@ -56,6 +56,8 @@ class PhaseSpec:
         poll_interval: For ``modify``: seconds between retrieve attempts.
         array: For ``modify``: what the fn is handed, ``"numpy"`` or
             ``"torch"``; ``None``: each stream's default.
+        skip_unchanged: For ``modify``: leave a stream whose cached KV is
+            all the last modify's own as it is (a compression round).
     """
 
     kind: PhaseKind
@@ -66,6 +68,7 @@ class PhaseSpec:
     retrieve_timeout: float = 30.0
     poll_interval: float = 0.2
     array: str | None = None
+    skip_unchanged: bool = False
 
 
 @dataclass

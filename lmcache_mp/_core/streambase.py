@@ -334,11 +334,20 @@ class StreamBase:
         whole = ctx.retrieve(self._state.tokens, self.cache_salt)
         if whole is not None and whole.shape[2] >= cached:
             return whole
+        if cached <= start:
+            # Every cached KV token is the last modify's own: no engine
+            # computed one since, so no one will record its queries.
+            raise LMCacheStreamError(
+                f"stream {self._stream_id}: no {kind.name} for its {cached} cached "
+                f"tokens: the last modify left them ({self._state.edited} tokens) "
+                "and nothing was cached since (decode the stream past its next "
+                f"chunk boundary, chunk_size {ctx.chunk_size}, before modifying "
+                "it again)",
+                self._stream_id,
+            )
         deadline = time.monotonic() + timeout
         while True:
-            rows = None
-            if start < cached:
-                rows = ctx.retrieve(self._state.tokens, self.cache_salt, start=start)
+            rows = ctx.retrieve(self._state.tokens, self.cache_salt, start=start)
             if rows is not None and start + rows.shape[2] >= cached:
                 return rows[:, :, : cached - start]
             if time.monotonic() >= deadline:
@@ -351,6 +360,12 @@ class StreamBase:
                     self._stream_id,
                 )
             time.sleep(poll_interval)
+
+    def _unchanged(self, cached: int) -> bool:
+        """Whether the ``cached`` KV tokens are all ones the last modify left
+        (the store keeps its full chunks only)."""
+        chunk = self._context(KV).chunk_size
+        return cached <= self._state.edited // chunk * chunk
 
     def _check_evicted(
         self, ctx: KVContext, kind: LMCacheSDKCacheKind, cached: int
@@ -492,13 +507,23 @@ class StreamBase:
         *,
         stage: bool,
         array: str | None = None,
+        skip_unchanged: bool = False,
     ) -> tuple[StreamModifyMetrics, Any]:
         """:meth:`modify_kv`; with ``stage``, a same-token edit is staged and
-        returned for the caller to commit with the new state (a batch)."""
+        returned for the caller to commit with the new state (a batch); with
+        ``skip_unchanged``, a stream whose cached KV is all the last
+        modify's own is left as it is, ``fn`` not called (a compression
+        round: nothing was generated into the cache since)."""
         sid = self._stream_id
         start = time.perf_counter()
         kv = self.retrieve_kv(timeout=timeout, poll_interval=poll_interval)
         cached = int(kv.shape[2])
+        if skip_unchanged and self._unchanged(cached):
+            elapsed = time.perf_counter() - start
+            kept = StreamModifyMetrics(
+                elapsed, cached, cached, int(kv.nbytes), 0, retrieve_s=elapsed
+            )
+            return kept, None
         given = self._state.tokens[:cached]
         kind_of_array = fn_array(array, self._kinds)
         read = int(kv.nbytes)

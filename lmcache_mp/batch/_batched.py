@@ -145,6 +145,7 @@ class LMCacheBatchedStream:
         timeout: float,
         poll_interval: float,
         array: str | None,
+        skip_unchanged: bool = False,
     ) -> tuple[float, dict[str, BaseException]]:
         """Run a modify phase of ``fn`` over ``ids`` (:meth:`_run`)."""
         return self._run(
@@ -155,6 +156,7 @@ class LMCacheBatchedStream:
             retrieve_timeout=timeout,
             poll_interval=poll_interval,
             array=self._array if array is None else array,
+            skip_unchanged=skip_unchanged,
         )
 
     def _run(
@@ -531,9 +533,13 @@ class LMCacheBatchedStream:
         far, as any modify fn; the engine keeps generated tokens' KV), and
         decoding resumes over the edited cache, until ``max_tokens`` or
         EOS. It is the loop ``decode(every) -> modify(compress) -> ...``
-        over the streams not done, written once. A stream whose round
-        fails leaves the loop with its last committed state; the others
-        go on.
+        over the streams not done, written once, but for one case: a
+        stream whose cached KV is still all the last round's own (its
+        generated tokens have not completed a chunk since) is left as it
+        is that round, ``compress`` not called, as there is nothing new to
+        compress (and no queries of new tokens to score with). A stream
+        whose round fails leaves the loop with its last committed state;
+        the others go on.
 
         Args:
             sampling_params: Engine sampling params (``max_tokens``, ...).
@@ -601,7 +607,13 @@ class LMCacheBatchedStream:
                 break
             self.modify_metrics.clear()
             duration, failures = self._run_modify(
-                active, compress, phase_timeout, timeout, poll_interval, array
+                active,
+                compress,
+                phase_timeout,
+                timeout,
+                poll_interval,
+                array,
+                skip_unchanged=True,
             )
             rounds.modified(duration, self.modify_metrics, failures)
             self.round_metrics.append(dict(self.modify_metrics))

@@ -198,6 +198,7 @@ def _run_stream(spec: PhaseSpec, job: StreamJob, remote: bool) -> StreamOutcome:
             spec.poll_interval,
             stage=True,
             array=spec.array,
+            skip_unchanged=spec.skip_unchanged,
         )
         return StreamOutcome(
             job.stream_id, state=stream.state, modify=modify, staged=staged
