@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import os
@@ -16,12 +17,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import openai
 import pytest
 
 from lmcache_mp.engine import EmbeddedEngine, EngineConfig
 from lmcache_mp.engine.http.openai import post_completion
-from lmcache_mp.engine.http.server import EngineServer, cli, serve
+from lmcache_mp.engine.http.server import EngineServer, add_serve_parser, cli, serve
 from lmcache_mp.errors import KVConfigError
 from lmcache_mp.kv import connect
 from tests._fakes import InMemoryKV
@@ -353,6 +355,50 @@ def test_named_store_is_shared_with_other_handles() -> None:
         assert kv is not None and kv.shape[2] == 32
     finally:
         ctx.destroy()
+
+
+@pytest.mark.parametrize("save", [True, False], ids=["decode-cache", "prompt-only"])
+def test_a_named_store_keeps_the_generated_tokens_kv_unless_told_not_to(
+    save: bool,
+) -> None:
+    """With store=shm:///NAME, the KV of the tokens a completion generates
+    is stored as they fill chunks, bit-exact with a one-shot prefill of
+    prompt + completion; with save_decode_cache=False only the prompt's
+    chunks are."""
+    url = f"shm:///test-serve-{uuid.uuid4().hex[:12]}"
+    ctx = connect(url, chunk_size=CHUNK)
+    try:
+        prompt = fresh_prompt(40)
+        with serve(
+            port=0,
+            store=url,
+            chunk_size=CHUNK,
+            config=CONFIG,
+            save_decode_cache=save,
+        ) as srv:
+            complete = post_completion(srv.url, srv.model_name)
+            events = list(complete(prompt, {**GREEDY, "max_tokens": 30}, ""))
+        tokens = prompt + [e.token_id for e in events]
+        kv = ctx.retrieve(tokens)
+        expected = 64 if save else 32
+        assert kv is not None and kv.shape[2] == expected
+        one_shot = InMemoryKV(CHUNK)
+        list(EmbeddedEngine(one_shot, CONFIG)(tokens, {"max_tokens": 1}, ""))
+        reference = one_shot.retrieve(tokens)
+        assert reference is not None
+        np.testing.assert_array_equal(kv, reference[:, :, :expected])
+    finally:
+        ctx.destroy()
+
+
+def test_no_decode_cache_flag_turns_the_decode_cache_off() -> None:
+    """``serve --no-decode-cache`` parses to save_decode_cache=False; the
+    default keeps it on."""
+    parser = argparse.ArgumentParser(prog="lmcache-mp")
+    add_serve_parser(parser.add_subparsers())
+    assert parser.parse_args(["serve"]).save_decode_cache is True
+    off = parser.parse_args(["serve", "--no-decode-cache"])
+    assert off.save_decode_cache is False
 
 
 def test_shutdown_stops_serving_and_removes_the_temporary_store() -> None:

@@ -342,6 +342,7 @@ def serve(
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     record_queries: bool = False,
     limits: ServerLimits | None = None,
+    save_decode_cache: bool = True,
 ) -> EngineServer:
     """Serve an embedded engine over HTTP on a background thread.
 
@@ -373,6 +374,10 @@ def serve(
             TOVA, H2O, R-KV; ``EmbeddedEngine``'s ``query_ctx``).
         limits: How much work the server takes on at once
             (:class:`ServerLimits`).
+        save_decode_cache: Also store the KV (and, with
+            ``record_queries``, the queries) of generated tokens, a chunk
+            each time they fill one, as vLLM + LMCache's
+            ``save_decode_cache`` does; ``False``: the prompt's only.
 
     Returns:
         The running server.
@@ -396,10 +401,14 @@ def serve(
     try:
         if record_queries:
             query_ctx = ctx.for_kind(LMCacheSDKCacheKind.QUERY)
+        keep: dict[str, Any] = {
+            "query_ctx": query_ctx,
+            "save_decode_cache": save_decode_cache,
+        }
         engine: EmbeddedEngine | HFEngine = (
-            EmbeddedEngine(ctx, config, query_ctx=query_ctx)
+            EmbeddedEngine(ctx, config, **keep)
             if model is None
-            else HFEngine.from_pretrained(model, ctx, query_ctx=query_ctx)
+            else HFEngine.from_pretrained(model, ctx, **keep)
         )
         server = EngineServer(
             engine,
@@ -474,6 +483,13 @@ def add_serve_parser(
         action="store_true",
         help="record each prefill's queries in the store (for snapkv, tova, "
         "h2o, rkv edits)",
+    )
+    parser.add_argument(
+        "--no-decode-cache",
+        dest="save_decode_cache",
+        action="store_false",
+        help="store the prompt's KV only, not the generated tokens' "
+        "(vLLM + LMCache's save_decode_cache off)",
     )
     parser.add_argument(
         "--max-logprobs",
@@ -610,6 +626,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
                 model=args.model,
                 max_logprobs=args.max_logprobs,
                 record_queries=args.record_queries,
+                save_decode_cache=args.save_decode_cache,
                 limits=ServerLimits(
                     **{k: v for k, v in vars(args).items() if k in bounds}
                 ),
