@@ -112,6 +112,7 @@ def test_no_flags_runs_the_default_config() -> None:
         (["--edit", "pyscore,redundancy"], "edits", ("pyscore", "redundancy")),
         (["--edit", "window", "--keep", "0.25"], "keep", 0.25),
         (["--max-tokens", "5"], "max_tokens", 5),
+        (["--every", "4"], "every", 4),
         (["--workers", "3"], "workers", 3),
         (["--start-method", "forkserver"], "start_method", "forkserver"),
         (["--repeat", "4"], "repeat", 4),
@@ -169,6 +170,11 @@ def test_each_flag_sets_its_field(flags: list[str], field: str, value: Any) -> N
         ),
         (["--json", "/nonexistent-dir/x.json"], "/nonexistent-dir does not exist"),
         (["--arena", "-1"], "--arena: expected GiB >= 0, got -1"),
+        (["--every", "0"], "--every: expected an integer >= 1, got 0"),
+        (
+            ["--every", "16", "--max-tokens", "16"],
+            "every (16) must be below max_tokens (16): no compression round",
+        ),
         (
             ["--arena", "1", "--store", "redis://h:1/0"],
             "arena_bytes is the shared-memory store's",
@@ -943,3 +949,37 @@ def test_the_compression_methods_run_in_the_bench(edit: str) -> None:
     for ex in point["executors"].values():
         modify = ex["phases"]["modify"]
         assert modify["tokens_after"]["median"] == prompt_tokens // 2
+
+
+def test_every_compresses_while_decoding_to_the_modify_phases_size() -> None:
+    """With ``every``, the decode phase compresses every ``every`` tokens on
+    the run's executor: each executor runs the same rounds to the same
+    tokens, no stream keeps more than the modify phase left of its prompt,
+    and the table names the rounds' modify time beside threads'."""
+    config = BenchConfig(
+        executors=("thread", "process"),
+        edits=("knorm",),
+        **{**TINY, "max_tokens": 40, "every": 8},
+    )
+    budget = config.edit("knorm").budget
+    assert budget == TINY["prompt_tokens"] // 2
+    point = run_bench(config, progress=False).to_dict()["points"][0]
+    assert point["outputs_agree"]
+    for ex in point["executors"].values():
+        decode = ex["phases"]["decode"]
+        assert decode["rounds"]["median"] == 40 // 8 - 1
+        assert 0 < decode["max_kv_tokens"]["median"] <= budget
+        assert decode["output_tokens"]["median"] == TINY["streams"] * 40
+    text = format_point(point)
+    assert "compression rounds in decode: 4," in text
+    assert "x thread)" in text.split("compression rounds in decode")[1]
+
+
+def test_without_every_the_dropping_edits_keep_a_fraction() -> None:
+    """Without ``every``, a dropping edit keeps ``keep`` of whatever it is
+    given; with it, the same count of a prompt as a fixed budget."""
+    plain = BenchConfig(edits=("knorm",), keep=0.25, **TINY)
+    rounds = BenchConfig(edits=("knorm",), keep=0.25, **{**TINY, "every": 2})
+    assert (plain.edit("knorm").keep, plain.edit("knorm").budget) == (0.25, None)
+    assert (rounds.edit("knorm").keep, rounds.edit("knorm").budget) == (None, 16)
+    assert rounds.edit("pyscore").budget == 16

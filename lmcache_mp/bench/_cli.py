@@ -114,6 +114,15 @@ def add_bench_parser(
     add_int(run, "--streams", 1, d.streams, "request streams")
     add_int(run, "--prompt-tokens", 1, d.prompt_tokens, "tokens per prompt")
     add_int(run, "--max-tokens", 1, d.max_tokens, "tokens each stream decodes")
+    add_int(
+        run,
+        "--every",
+        1,
+        d.every,
+        "compress while decoding: modify each stream again by its edit every N "
+        "generated tokens (a dropping edit then keeps --keep's count of a "
+        "prompt's tokens each round)",
+    )
     add_int(run, "--chunk-size", 1, d.chunk_size, "tokens per KV store chunk")
     add_int(run, "--seed", 0, d.seed, "seed of the prompts, weights and random edit")
     model = p.add_argument_group("model size")
@@ -286,6 +295,7 @@ def config_from_args(
             edits=args.edit,
             keep=args.keep,
             max_tokens=args.max_tokens,
+            every=args.every,
             workers=args.workers,
             start_method=args.start_method,
             repeat=args.repeat,

@@ -20,6 +20,7 @@ from lmcache_mp.edits import (
     AttentionConfig,
     Edit,
     Stride,
+    keep_count,
     make_edit,
 )
 from lmcache_mp.engine import (
@@ -121,6 +122,13 @@ class BenchConfig:
         keep: Fraction of tokens the dropping edits keep (``None``: 0.5).
             The ``window`` edit keeps its sinks and a window sized to match.
         max_tokens: Tokens each stream decodes.
+        every: Compress while decoding: every ``every`` generated tokens,
+            the streams are modified again by the run's edit
+            (``batch.decode(compress=edit, every=every)``, on the run's
+            executor), and the dropping edits keep a budget of the tokens
+            the modify phase left of a prompt instead of a fraction, so
+            that the KV stays that size across rounds. Below
+            ``max_tokens``. ``None``: decode without rounds.
         workers: Worker processes (``process``) or the thread cap
             (``thread``); ``None``: physical cores for processes, one
             thread per stream.
@@ -168,6 +176,7 @@ class BenchConfig:
     edits: tuple[str, ...] = ("pyscore",)
     keep: float | None = None
     max_tokens: int = 16
+    every: int | None = None
     workers: int | None = None
     start_method: str = "spawn"
     repeat: int = 1
@@ -202,8 +211,14 @@ class BenchConfig:
             "chunk_size",
         ):
             check_count("BenchConfig", name, getattr(self, name))
-        if self.workers is not None:
-            check_count("BenchConfig", "workers", self.workers)
+        for name in ("workers", "every"):
+            if getattr(self, name) is not None:
+                check_count("BenchConfig", name, getattr(self, name))
+        if self.every is not None and self.every >= self.max_tokens:
+            raise ValueError(
+                f"BenchConfig.every ({self.every}) must be below max_tokens "
+                f"({self.max_tokens}): no compression round would run"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"BenchConfig.seed must be an int, got {self.seed!r}")
         if self.seed < 0:
@@ -425,7 +440,8 @@ class BenchConfig:
 
         The scored drops protect ``prompt_tokens // 16`` tokens at each end
         (at most their default of 256), so that short prompts, in tests and
-        sweeps, still lose tokens.
+        sweeps, still lose tokens. With :attr:`every`, the dropping edits
+        keep ``keep``'s count of a prompt's tokens as their ``budget``.
 
         Args:
             name: A name of :data:`BENCH_EDITS`.
@@ -434,8 +450,16 @@ class BenchConfig:
             The edit.
         """
         keep = DEFAULT_KEEP if self.keep is None else self.keep
+        # A fraction applied every round would shrink the KV round after
+        # round; a budget holds it at the size the modify phase left, as
+        # kvpress's DecodingPress compresses to a fixed target_size.
+        size: dict[str, Any] = (
+            {"keep": keep}
+            if self.every is None
+            else {"budget": keep_count(keep, self.prompt_tokens, 0)}
+        )
         ends = min(_MAX_PROTECTED, self.prompt_tokens // 16)
-        scored = {"keep": keep, "keep_first": ends, "keep_last": ends}
+        scored = {**size, "keep_first": ends, "keep_last": ends}
         if name == "random":
             return make_edit(name, seed=self.seed, **scored)
         if name == "pyscore":
@@ -446,7 +470,7 @@ class BenchConfig:
             window = max(1, round(keep * self.prompt_tokens) - _WINDOW_SINKS)
             return make_edit(name, window=window, sinks=_WINDOW_SINKS)
         if name in _METHODS:
-            return make_edit(name, keep=keep, attention=self.attention())
+            return make_edit(name, **size, attention=self.attention())
         return make_edit(name)
 
     def prompts(self) -> list[list[int]]:

@@ -45,6 +45,10 @@ _REPORTED: dict[str, dict[str, tuple[str, str]]] = {
         "tpot_p50_ms": ("latency", "p50_tpot_ms"),
         "tpot_p99_ms": ("latency", "p99_tpot_ms"),
         "cache_hit_tokens": ("cache", "cache_hit_tokens"),
+        # With --every: the compression rounds the decode phase ran.
+        "rounds": ("compression", "rounds"),
+        "rounds_modify_s": ("compression", "modify_s"),
+        "max_kv_tokens": ("compression", "max_kv_tokens"),
     },
 }
 

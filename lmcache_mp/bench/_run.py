@@ -139,7 +139,9 @@ def run_once(
     engine's weights depend only on the config, so every executor decodes
     the same model. Decoding is greedy (temperature 0) and ignores EOS, so
     every stream decodes exactly ``max_tokens`` tokens and the outputs are
-    comparable across executors.
+    comparable across executors. With ``config.every``, the decode phase
+    compresses with ``edit`` every ``every`` tokens, on the same executor,
+    and its time includes those rounds.
 
     Args:
         config: The benchmark (one sweep point of it).
@@ -254,7 +256,13 @@ def _run_phases(
         # numpy for every stream: the ready-made edits compute in numpy, and
         # a 0.5.6 stream's default (torch) would time torch's import.
         "modify": lambda: batch.modify(edit, array="numpy"),
-        "decode": lambda: batch.decode(decode_params),
+        "decode": lambda: (
+            batch.decode(decode_params)
+            if config.every is None
+            else batch.decode(
+                decode_params, compress=edit, every=config.every, array="numpy"
+            )
+        ),
     }
     reference: Reference | None = None
     with PeakMemory() as memory:

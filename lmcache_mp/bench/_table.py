@@ -112,6 +112,34 @@ def _kv_per_token(cfg: dict[str, Any]) -> int:
     return int(2 * cfg["layers"] * cfg["kv_heads"] * cfg["head_dim"] * itemsize)
 
 
+def _every(cfg: dict[str, Any]) -> str:
+    """The header's words for a decode compressed every N tokens."""
+    every = cfg.get("every")
+    return "" if every is None else f" compressed every {every}"
+
+
+def _rounds_note(point: dict[str, Any]) -> list[str]:
+    """The compression rounds of the decode phase, per executor, if any."""
+    executors: dict[str, Any] = point["executors"]
+    decode = {name: ex["phases"]["decode"] for name, ex in executors.items()}
+    if all(fig.get("rounds") is None for fig in decode.values()):
+        return []
+    thread = decode.get("thread", {}).get("rounds_modify_s")
+    times = []
+    for name, fig in decode.items():
+        seconds = fig["rounds_modify_s"]["median"]
+        text = f"{name} {seconds:.3f} s"
+        if thread is not None and name != "thread" and seconds > 0:
+            text += f" ({_speedup(thread['median'] / seconds)} thread)"
+        times.append(text)
+    return [
+        f"compression rounds in decode: {_first(point, 'decode', 'rounds')}, "
+        f"the last leaving at most {_first(point, 'decode', 'max_kv_tokens')} KV "
+        f"tokens per stream; their modify time (in decode's wall s): "
+        f"{', '.join(times)}."
+    ]
+
+
 def format_header(result: dict[str, Any]) -> str:
     """The lines describing the run: config and machine.
 
@@ -128,7 +156,7 @@ def format_header(result: dict[str, Any]) -> str:
     engine = cfg.get("engine", TOY)
     lines = [
         f"lmcache-mp bench: {cfg['streams']} streams x {cfg['prompt_tokens']} "
-        f"prompt tokens, decode {cfg['max_tokens']} tokens; {model} "
+        f"prompt tokens, decode {cfg['max_tokens']} tokens{_every(cfg)}; {model} "
         f"{cfg['layers']} layers x {cfg['kv_heads']} KV heads x "
         f"{cfg['head_dim']} dims, {cfg['dtype']} KV ({_bytes(kv_per_stream)} "
         f"per prompt, {_bytes(kv_per_stream * cfg['streams'])} in all), "
@@ -314,6 +342,7 @@ def _notes(point: dict[str, Any]) -> list[str]:
             f"{0.9 * ideal:.2f}x on a GIL-bound edit such as pyscore; >= "
             f"{1 / 1.2:.2f}x, i.e. within 1.2x, on overhead-dominated edits)."
         )
+    notes += _rounds_note(point)
     notes += _auto_notes(executors)
     notes += _memory_note(point)
     for name, ex in executors.items():
