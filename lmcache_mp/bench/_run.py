@@ -38,7 +38,8 @@ PHASES = ("prefill", "modify", "decode")
 #: Modules each worker imports while the pool starts, so that the first
 #: phase does not pay for them (they are what the phases unpickle: the
 #: engines, the edits, and the synthetic engine's and auto-unhinted's
-#: wrappers, whose package import took 0.65 s on a first phase here).
+#: wrappers, whose package import would otherwise weigh on a short first
+#: phase).
 _PRELOAD = (
     "lmcache_mp.engine",
     "lmcache_mp.edits",

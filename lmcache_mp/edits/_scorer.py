@@ -29,9 +29,7 @@ class PyTokenScorer(ScoredDrop):
     Python floats and the arithmetic is interpreted bytecode, so the edit
     holds the GIL throughout: threads cannot run two streams' scoring at
     once, processes can. Its cost grows linearly with
-    ``T * len(layers) * min(span, D) * work`` (about 40 ns per value and
-    pass in CPython 3.11): with the defaults, roughly 0.5 s on one core for
-    ``T = 4096`` and the default protected ends.
+    ``T * len(layers) * min(span, D) * work``.
 
     The first ``keep_first`` and last ``keep_last`` tokens are always kept,
     and the highest-scored tokens in between, so that ``round(keep * T)``

@@ -20,8 +20,8 @@ __all__ = ["Stride"]
 class Stride(TokenDrop):
     """Keep every ``every``-th token, starting with the first.
 
-    **A benchmark workload**: one strided copy of the KV, about a
-    millisecond for 8 MiB, so a modify phase with it costs mostly the
+    **A benchmark workload**: one strided copy of the KV, cheap beside
+    moving the KV, so a modify phase with it costs mostly the
     retrieve, the store and the dispatch around the fn (the project's "keep
     every other token" row). Unlike :class:`~lmcache_mp.edits.Identity`, it
     changes the tokens, so the store writes new chunks rather than

@@ -48,8 +48,9 @@ from lmcache_mp.hints import gil_hint
 
 __all__ = ["AutoExecutor", "measurement"]
 
-#: Pool start assumed before one was measured, by start method (measured
-#: here with the default preload: spawn 0.6-1.2 s, forkserver 0.4-0.8 s).
+#: Pool start assumed before one was measured, by start method (the order
+#: of a pool start with the default preload: spawn's the slowest, fork's
+#: the fastest).
 _START_GUESS_S = {"spawn": 1.0, "forkserver": 0.6, "fork": 0.1}
 
 
