@@ -32,7 +32,7 @@ GQA = AttentionConfig(q_heads=6, kv_heads=2, head_dim=4)
 MHA = AttentionConfig(q_heads=3, kv_heads=3, head_dim=4)
 LAYERS = 3
 NEW_KV_ONLY = ("knorm", "keydiff", "streamingllm")
-NEW_WITH_QUERIES = ("tova", "h2o", "rkv")
+NEW_WITH_QUERIES = ("tova", "h2o", "rkv", "expected_attention")
 # Every edit that drops tokens, with small parameters.
 DROPPING: dict[str, dict[str, Any]] = {
     "random": {"keep_first": 2, "keep_last": 2},
@@ -47,6 +47,7 @@ DROPPING: dict[str, dict[str, Any]] = {
     "tova": {},
     "h2o": {},
     "rkv": {"window": 4},
+    "expected_attention": {},
 }
 
 
@@ -198,6 +199,55 @@ def ref_rkv(
     return top(dict(enumerate(score)), count - window) | set(range(past, total))
 
 
+def rope_matrix(c: AttentionConfig, position: int) -> np.ndarray:
+    """The ``[d, d]`` RoPE rotation of one head at ``position``: channel
+    ``i`` paired with ``i + d/2``, as transformers rotates."""
+    d, half = c.head_dim, c.head_dim // 2
+    theta = position * c.inverse_frequencies()
+    r = np.zeros((d, d))
+    for i in range(half):
+        cos, sin = math.cos(theta[i]), math.sin(theta[i])
+        r[i, i], r[i, i + half] = cos, -sin
+        r[i + half, i], r[i + half, i + half] = sin, cos
+    return r
+
+
+def ref_expected(
+    kv: np.ndarray,
+    q: np.ndarray,
+    c: AttentionConfig,
+    count: int,
+    sinks: int = 4,
+    future: int = 512,
+) -> set[int]:
+    total, d = kv.shape[2], c.head_dim
+    ahead = np.mean([rope_matrix(c, p) for p in range(total, total + future)], axis=0)
+    score = np.zeros(total)
+    for layer in range(LAYERS):
+        for g in range(c.kv_heads):
+            k, v = head(kv[0], layer, g, d), head(kv[1], layer, g, d)
+            probs = np.zeros(total - sinks)
+            for h in range(g * c.group, (g + 1) * c.group):
+                qs = head(q[0], layer, h, d)
+                pre = np.array(
+                    [rope_matrix(c, p).T @ qs[p] for p in range(sinks, total)]
+                )
+                mu = pre.mean(axis=0)
+                cov = sum(np.outer(x - mu, x - mu) for x in pre) / len(pre)
+                mu, cov = ahead @ mu, ahead @ cov @ ahead.T
+                logits = np.array(
+                    [
+                        k[t] @ mu / math.sqrt(d) + k[t] @ cov @ k[t] / (2 * d)
+                        for t in range(sinks, total)
+                    ]
+                )
+                e = np.exp(logits - logits.max())
+                probs += e / e.sum() / c.group
+            score[sinks:] += probs * np.linalg.norm(v[sinks:], axis=1)
+    kept = top({t: score[t] for t in range(sinks, total)}, count - sinks)
+    return kept | set(range(sinks))
+
+
 # --- each method against its reference ----------------------------------------
 
 
@@ -259,6 +309,26 @@ def test_rkv_keeps_important_non_redundant_tokens(
     assert set(kept) == ref_rkv(kv, q, config, budget, 4)
 
 
+@pytest.mark.parametrize("config", [GQA, MHA], ids=["gqa", "mha"])
+@pytest.mark.parametrize("budget", [10, 24])
+def test_expected_attention_keeps_what_the_fitted_queries_expect(
+    config: AttentionConfig, budget: int
+) -> None:
+    """expected_attention keeps the sinks and the keys of highest expected
+    attention from the queries' Gaussian (fitted before RoPE, the sinks
+    left out, its RoPE averaged over the next positions), weighted by the
+    value norm."""
+    kv, q = tensors(config, seed=8)
+    _, kept, _ = run("expected_attention", kv, q, budget=budget, attention=config)
+    assert set(kept) == ref_expected(kv, q, config, budget)
+
+
+def test_expected_attention_needs_the_models_rope() -> None:
+    """expected_attention without attention raises ValueError naming it."""
+    with pytest.raises(ValueError, match="needs attention=AttentionConfig"):
+        make_edit("expected_attention")
+
+
 def test_rkv_scores_near_duplicate_keys_as_redundant() -> None:
     """Of keys repeated many times, rkv keeps fewer than their share."""
     kv, q = tensors(MHA, seed=4)
@@ -306,7 +376,14 @@ def test_the_asked_budget_is_kept_exactly(
         params.pop("attention")
     _, kept, _ = run(name, kv, q, **params)
     asked = amount if by_budget else budget_of(amount / 48, total)
-    first = {"window": 2, "streamingllm": 2, "random": 2, "redundancy": 2, "pyscore": 2}
+    first = {
+        "window": 2,
+        "streamingllm": 2,
+        "random": 2,
+        "redundancy": 2,
+        "pyscore": 2,
+        "expected_attention": 4,
+    }
     last = {
         "random": 2,
         "redundancy": 2,
@@ -391,7 +468,7 @@ def test_query_edits_on_a_bare_kv_explain_the_query_context(name: str) -> None:
 
     kv, _ = tensors(GQA)
     with pytest.raises(CacheKindError, match=f"{name} needs.*QUERY"):
-        make_edit(name)(kv, ids(40))
+        make_edit(name, attention=GQA)(kv, ids(40))
 
 
 def test_attention_of_another_width_is_named() -> None:

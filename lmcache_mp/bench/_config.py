@@ -74,7 +74,16 @@ BENCH_DTYPES = (*KV_DTYPES, "bfloat16")
 BENCH_EDITS = tuple(sorted({*EDITS, *KIND_EDITS}))
 #: The published KV-compression methods, sized by ``keep`` and given the toy model's
 #: attention (heads; streamingllm rerotates).
-_METHODS = ("h2o", "keydiff", "knorm", "rkv", "snapkv", "streamingllm", "tova")
+_METHODS = (
+    "expected_attention",
+    "h2o",
+    "keydiff",
+    "knorm",
+    "rkv",
+    "snapkv",
+    "streamingllm",
+    "tova",
+)
 #: Edits that drop tokens, to which ``keep`` applies.
 DROPPING_EDITS = tuple(sorted({"pyscore", "random", "redundancy", "window", *_METHODS}))
 #: Parameters ``sweep`` can vary, as spelled on the command line.

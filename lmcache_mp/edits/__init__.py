@@ -5,7 +5,8 @@ new_tokens, info)`` taking a ``[2, L, T, D]`` numpy KV; it pickles by
 reference, so it travels to worker processes for a few hundred bytes, and
 its result depends only on its parameters and its input.
 
-:class:`SnapKV`, :class:`TOVA`, :class:`H2O` and :class:`RKV` (in
+:class:`SnapKV`, :class:`TOVA`, :class:`H2O`, :class:`RKV` and
+:class:`ExpectedAttention` (in
 :data:`KIND_EDITS`) score the KV with the prompt's queries: each is the
 modify fn of a stream with a KV and a QUERY context, called as
 ``edit({KV: kv, QUERY: queries}, tokens)``.
@@ -25,6 +26,7 @@ shared subset would make it SnapKV's selection again.
 from lmcache_mp._core.attention import AttentionConfig
 from lmcache_mp.edits._base import Edit, EditResult
 from lmcache_mp.edits._drop import RandomDrop
+from lmcache_mp.edits._expected import ExpectedAttention
 from lmcache_mp.edits._h2o import H2O
 from lmcache_mp.edits._identity import Identity
 from lmcache_mp.edits._keydiff import KeyDiff
@@ -50,6 +52,7 @@ __all__ = [
     "AttentionConfig",
     "Edit",
     "EditResult",
+    "ExpectedAttention",
     "Identity",
     "KeyDiff",
     "KeyNorm",

@@ -9,6 +9,7 @@ from typing import Any
 
 from lmcache_mp.edits._base import Edit
 from lmcache_mp.edits._drop import RandomDrop
+from lmcache_mp.edits._expected import ExpectedAttention
 from lmcache_mp.edits._h2o import H2O
 from lmcache_mp.edits._identity import Identity
 from lmcache_mp.edits._keydiff import KeyDiff
@@ -49,7 +50,7 @@ EDITS: Mapping[str, type[Edit]] = MappingProxyType(
 #: each kind. Apart from :data:`EDITS`, whose edits take a bare KV (as the
 #: benchmark's KV-only streams give them).
 KIND_EDITS: Mapping[str, type[Edit]] = MappingProxyType(
-    {cls.name: cls for cls in (SnapKV, TOVA, H2O, RKV)}
+    {cls.name: cls for cls in (SnapKV, TOVA, H2O, RKV, ExpectedAttention)}
 )
 
 
@@ -61,7 +62,7 @@ def make_edit(name: str, **params: Any) -> Edit:
             ``"redundancy"``, ``"quantize"``, ``"pyscore"``,
             ``"identity"``, ``"stride"``, ``"knorm"``, ``"keydiff"`` or
             ``"streamingllm"``; or of :data:`KIND_EDITS`: ``"snapkv"``,
-            ``"tova"``, ``"h2o"`` or ``"rkv"``.
+            ``"tova"``, ``"h2o"``, ``"rkv"`` or ``"expected_attention"``.
         **params: The edit's parameters (its class's fields).
 
     Returns:

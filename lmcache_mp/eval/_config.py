@@ -24,6 +24,7 @@ EVAL_EDITS = (
     "snapkv",
     "h2o",
     "rkv",
+    "expected_attention",
 )
 #: Executors the modify phase may run on (the eval's own process runs the
 #: scoring; distributed executors are the bench's).
