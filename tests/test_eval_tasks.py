@@ -1,0 +1,217 @@
+"""RULER-style tasks generated from a seed, their checkers, and the bootstrap
+intervals the eval gives its figures."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import re
+
+import numpy as np
+import pytest
+
+from lmcache_mp.eval._intervals import bootstrap, samples_for
+from lmcache_mp.eval._tasks import TASKS, Task, make_tasks
+
+
+def words(text: str) -> list[int]:
+    """A stand-in tokenizer: one id per whitespace-separated word."""
+    return [len(w) for w in text.split()]
+
+
+# --- checkers on hand-written answers --------------------------------------------
+
+NUMBER = Task("niah_single", "", ("4817263",), 0)
+WORDS = Task("vt", "", ("QWERT", "ASDFG"), 0)
+
+
+@pytest.mark.parametrize(
+    ("task", "answer", "score"),
+    [
+        (NUMBER, " 4817263.", 1.0),
+        (NUMBER, " 4817264.", 0.0),
+        (NUMBER, " the number you asked for is 4817263, I am sure", 1.0),
+        (NUMBER, "".join([" 48", "172", "63", "."]), 1.0),
+        (NUMBER, " 48172635", 0.0),
+        (NUMBER, " 48 17263", 0.0),
+        (WORDS, " QWERT, ASDFG", 1.0),
+        (WORDS, " qwert and then asdfg and ZXCVB", 1.0),
+        (WORDS, " QWERT only", 0.5),
+        (WORDS, " QWERTY, ASDFGH", 0.0),
+        (WORDS, "", 0.0),
+    ],
+    ids=[
+        "number-right",
+        "number-wrong",
+        "number-among-words",
+        "number-split-across-tokens",
+        "number-inside-a-longer-one",
+        "number-split-by-a-space",
+        "words-right",
+        "words-any-case-extra-words",
+        "words-half",
+        "words-inside-longer-ones",
+        "empty",
+    ],
+)
+def test_the_checker_scores_the_share_of_answers_stated(
+    task: Task, answer: str, score: float
+) -> None:
+    """An answer scores the share of expected numbers or words it states,
+    each as a whole number or word (case aside), whatever else it says
+    and however the tokens that made it were cut."""
+    assert task.score(answer) == score
+
+
+# --- generation --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_generation_is_deterministic_per_seed(name: str) -> None:
+    """The same seed gives the same prompts and answers; another seed
+    gives others; the samples of one call differ from each other."""
+    first = make_tasks(name, words, 300, 3, seed=5)
+    assert first == make_tasks(name, words, 300, 3, seed=5)
+    assert first != make_tasks(name, words, 300, 3, seed=6)
+    assert len({t.text for t in first}) == 3
+
+
+@pytest.mark.parametrize("name", TASKS)
+@pytest.mark.parametrize("length", [300, 1000])
+def test_a_prompt_fills_its_length_without_passing_it(name: str, length: int) -> None:
+    """Each prompt has at most ``length`` tokens, and one more piece of
+    haystack would pass it (it is within a tenth of the length)."""
+    for task in make_tasks(name, words, length, 2):
+        assert task.tokens == len(words(task.text)) <= length
+        assert task.tokens > 0.9 * length
+
+
+@pytest.mark.parametrize("name", ["niah_single", "niah_multikey", "niah_multivalue"])
+def test_the_needles_hold_the_answers(name: str) -> None:
+    """Every expected number is in the haystack as its key's needle, the
+    question names that key, and the distractors' numbers are not answers."""
+    task = make_tasks(name, words, 500, 1, seed=2)[0]
+    key = re.findall(r"special magic numbers? for (\S+) mentioned", task.text)[-1]
+    found = re.findall(r"numbers for (\S+) is: (\d+)\.", task.text)
+    assert len(found) == (1 if name == "niah_single" else 4)
+    assert {v for k, v in found if k == key} == set(task.answers)
+    assert task.score(" " + " ".join(task.answers)) == 1.0
+
+
+def test_variable_tracking_chains_its_answers_in_order() -> None:
+    """vt's answers are the chain's variables: the first is assigned the
+    number, each next one the previous one, in the order they appear."""
+    task = make_tasks("vt", words, 600, 1, seed=3)[0]
+    value = re.findall(r"assigned the value (\d+)", task.text)[-1]
+    assignments = re.findall(r"VAR (\w+) = (VAR \w+|\d+)\.", task.text)
+    assert assignments[0] == (task.answers[0], value)
+    for (a, _), (_, source) in itertools.pairwise(assignments):
+        assert source == f"VAR {a}"
+    assert [a for a, _ in assignments] == list(task.answers)
+
+
+def test_common_words_are_the_most_frequent_of_the_list() -> None:
+    """cwe's ten answers are the ten words the list repeats most, each
+    more often than any other word."""
+    task = make_tasks("cwe", words, 1000, 1, seed=4)[0]
+    listed = re.findall(r"\d+\. (\w+)", task.text)
+    counts = collections.Counter(listed)
+    top = {w for w, _ in counts.most_common(len(task.answers))}
+    assert top == set(task.answers)
+    rest = max(c for w, c in counts.items() if w not in task.answers)
+    assert min(counts[w] for w in task.answers) > rest
+
+
+def test_frequent_words_are_the_three_most_frequent_coded_words() -> None:
+    """fwe's three answers are its coded text's three most frequent words,
+    apart from the fourth."""
+    task = make_tasks("fwe", words, 1000, 1, seed=4)[0]
+    body = task.text.split("\n")[1].split(" ....")[0].split()
+    counts = collections.Counter(body).most_common(4)
+    assert tuple(w for w, _ in counts[:3]) == task.answers
+    assert counts[2][1] > counts[3][1]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("ruler", words, 300, 1), "unknown task 'ruler'"),
+        (("vt", words, 0, 1), "length must be an int >= 1"),
+        (("vt", words, 300, 0), "samples must be an int >= 1"),
+        (("niah_single", words, 20, 1), "do not fit its instructions"),
+    ],
+    ids=["unknown", "zero-length", "no-samples", "too-short"],
+)
+def test_bad_task_arguments_are_refused(args: tuple[object, ...], needle: str) -> None:
+    """An unknown task, a non-positive length or count, or a length the
+    question alone passes raise ValueError naming the problem."""
+    with pytest.raises(ValueError, match=needle):
+        make_tasks(*args)  # type: ignore[arg-type]
+
+
+# --- bootstrap intervals -----------------------------------------------------------
+
+
+def test_an_accuracys_interval_matches_the_normal_approximation() -> None:
+    """For 400 right/wrong samples the 95% bootstrap interval is the
+    normal one, p ± 1.96 sqrt(p(1-p)/n), to within 0.01 at each end."""
+    sample = np.random.default_rng(1).integers(0, 2, 400)
+    p = sample.mean()
+    half = 1.959964 * math.sqrt(p * (1 - p) / sample.size)
+    interval = bootstrap(sample)
+    assert interval.mean == p and interval.n == 400
+    assert abs(interval.low - (p - half)) < 0.01
+    assert abs(interval.high - (p + half)) < 0.01
+
+
+def test_a_small_samples_interval_matches_the_exact_bootstrap() -> None:
+    """For 5 samples, whose 5^5 resamples can all be listed, the interval's
+    ends are the exact bootstrap distribution's quantiles (to one step of
+    its atoms)."""
+    sample = [0.1, 0.4, 0.45, 0.9, 1.7]
+    means = sorted(
+        sum(pick) / 5 for pick in itertools.product(sample, repeat=len(sample))
+    )
+    low, high = np.quantile(means, [0.025, 0.975])
+    interval = bootstrap(sample, resamples=200_000)
+    step = 1.6 / 5
+    assert abs(interval.low - low) < step / 4
+    assert abs(interval.high - high) < step / 4
+
+
+def test_a_paired_interval_is_of_the_differences() -> None:
+    """With a baseline the interval is of the per-sample differences, as
+    if they were given; a constant difference has no spread."""
+    rng = np.random.default_rng(2)
+    base = rng.random(50)
+    values = base + rng.normal(0.1, 0.05, 50)
+    assert bootstrap(values, base) == bootstrap(values - base)
+    shifted = bootstrap(base + 0.25, base)
+    assert math.isclose(shifted.low, 0.25) and math.isclose(shifted.high, 0.25)
+
+
+def test_enough_samples_for_five_points_at_95_percent() -> None:
+    """±5 points at 95% on any accuracy needs 385 samples (1.96² / 4 /
+    0.05²); ±10 points, 97."""
+    assert samples_for(0.05) == 385
+    assert samples_for(0.10) == 97
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "needle"),
+    [
+        (([],), {}, "non-empty"),
+        (([1.0, 2.0], [1.0]), {}, "baseline has 1 samples"),
+        (([1.0],), {"level": 1.0}, "level must be in"),
+        (([1.0],), {"resamples": 0}, "resamples must be"),
+    ],
+    ids=["empty", "unpaired", "level", "resamples"],
+)
+def test_bad_bootstrap_arguments_are_refused(
+    args: tuple[object, ...], kwargs: dict[str, object], needle: str
+) -> None:
+    """An empty sample, a baseline of another length, a level outside (0,
+    1) or no resamples raise ValueError naming it."""
+    with pytest.raises(ValueError, match=needle):
+        bootstrap(*args, **kwargs)  # type: ignore[arg-type]
