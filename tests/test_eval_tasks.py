@@ -11,6 +11,9 @@ import re
 import numpy as np
 import pytest
 
+from lmcache_mp.__main__ import build_parser
+from lmcache_mp.eval import EvalConfig, TasksResult, evaluate
+from lmcache_mp.eval._cli import eval_config_from_args
 from lmcache_mp.eval._intervals import bootstrap, samples_for
 from lmcache_mp.eval._tasks import TASKS, Task, make_tasks
 
@@ -215,3 +218,110 @@ def test_bad_bootstrap_arguments_are_refused(
     1) or no resamples raise ValueError naming it."""
     with pytest.raises(ValueError, match=needle):
         bootstrap(*args, **kwargs)  # type: ignore[arg-type]
+
+
+# --- the eval over the tasks -------------------------------------------------------
+
+#: Two short cells on the toy model, two edits at keep 0.5 and 1.
+TOY_TASKS = {
+    "engine": "toy",
+    "tasks": ("niah_single", "vt"),
+    "lengths": (160,),
+    "samples": 3,
+    "edits": ("knorm", "snapkv"),
+    "keeps": (0.5, 1.0),
+    "executor": "serial",
+}
+
+
+@pytest.fixture(scope="module")
+def scored() -> TasksResult:
+    """Every cell scored (min_accuracy 0: the toy model solves none)."""
+    result = evaluate(EvalConfig(min_accuracy=0.0, **TOY_TASKS))
+    assert isinstance(result, TasksResult)
+    return result
+
+
+def test_every_edit_and_keep_runs_on_every_scored_cell(scored: TasksResult) -> None:
+    """The uncompressed row of each cell comes first, then one row per
+    edit, keep and cell, each over the cell's samples."""
+    cells = [(r.task, r.length) for r in scored.rows if r.edit == "none"]
+    assert cells == [("niah_single", 160), ("vt", 160)]
+    edited = [(r.edit, r.keep, r.task) for r in scored.rows if r.edit != "none"]
+    assert len(edited) == 2 * 2 * 2
+    assert all(len(r.scores) == r.accuracy.n == 3 for r in scored.rows)
+    assert not scored.dropped
+
+
+def test_keeping_every_token_answers_as_the_uncompressed_model(
+    scored: TasksResult,
+) -> None:
+    """At keep 1 an edit's answers score as the uncompressed model's,
+    sample for sample, and its paired change is exactly 0; at keep 0.5
+    about half the prompt is kept."""
+    base = {r.task: r.scores for r in scored.rows if r.edit == "none"}
+    for row in scored.rows:
+        if row.keep == 1.0:
+            assert row.scores == base[row.task]
+            assert row.change is not None
+            assert (row.change.low, row.change.high) == (0.0, 0.0)
+        elif row.keep == 0.5:
+            assert 0.4 < row.kept < 0.7
+
+
+def test_cells_the_model_cannot_do_are_dropped_and_named(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Below min_accuracy a cell gets no edit rows; the table names it,
+    with the uncompressed accuracy that dropped it."""
+    config = EvalConfig(**{**TOY_TASKS, "tasks": ("vt",), "edits": ("knorm",)})
+    result = evaluate(config)
+    assert isinstance(result, TasksResult)
+    assert result.rows == []
+    assert [(r.task, r.length) for r in result.dropped] == [("vt", 160)]
+    assert "not scored: vt at 160 tokens" in result.format()
+
+
+def test_the_json_keeps_every_samples_score(scored: TasksResult) -> None:
+    """The JSON has its schema, and each row its per-sample scores and
+    intervals, so that two runs can be compared sample by sample."""
+    data = scored.to_dict()
+    assert data["schema"] == "lmcache-mp-eval-tasks/1"
+    row = data["rows"][-1]
+    assert len(row["scores"]) == 3
+    assert set(row["accuracy"]) == {"mean", "low", "high", "n", "level"}
+    assert row["change"]["n"] == 3
+
+
+def test_task_flags_set_their_fields() -> None:
+    """--tasks, --length, --samples and --min-accuracy land in the config;
+    without --samples it takes enough for 5 points each side."""
+    parser, _ = build_parser()
+    args = parser.parse_args(
+        ["eval", "--tasks", "vt,cwe", "--length", "1024,2048", "--samples", "60"]
+    )
+    config = eval_config_from_args(args.eval_parser, args)
+    assert (config.tasks, config.lengths, config.samples) == (
+        ("vt", "cwe"),
+        (1024, 2048),
+        60,
+    )
+    assert EvalConfig(tasks=("vt",)).sample_count == 385
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"tasks": ("ruler",)}, "unknown task 'ruler'"),
+        ({"tasks": ("vt", "vt")}, "names one twice"),
+        ({"tasks": ("vt",), "lengths": ()}, "lengths is empty"),
+        ({"tasks": ("vt",), "min_accuracy": 1.5}, "min_accuracy must be in"),
+        ({"tasks": ("vt",), "generate": 8, "every": 4}, "leave out generate"),
+    ],
+    ids=["unknown", "twice", "no-length", "accuracy", "with-generate"],
+)
+def test_bad_task_options_are_refused(fields: dict[str, object], needle: str) -> None:
+    """Unknown or repeated tasks, no length, an accuracy outside [0, 1], or
+    tasks with a generation raise ValueError naming the problem."""
+    with pytest.raises(ValueError, match=needle):
+        EvalConfig(**fields)  # type: ignore[arg-type]

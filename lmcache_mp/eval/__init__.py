@@ -11,7 +11,10 @@ reference; every edit at every keep is scored teacher-forced along it
     print(result.format())
 
 With ``EvalConfig(generate=G, every=N)`` it scores compression while
-generating instead: a :class:`GenerateResult` (``GENERATE_SCHEMA``).
+generating instead: a :class:`GenerateResult` (``GENERATE_SCHEMA``); with
+``EvalConfig(tasks=(...), lengths=(...))``, RULER-style tasks generated
+from the seed, each accuracy with its bootstrap interval: a
+:class:`TasksResult` (``TASKS_SCHEMA``; :data:`TASKS` names the tasks).
 
 See ``docs/eval.md`` for the tasks and the JSON schema (``EVAL_SCHEMA``).
 """
@@ -25,17 +28,25 @@ from lmcache_mp.eval._generate import (
     GenerateRow,
     Speed,
 )
+from lmcache_mp.eval._intervals import Interval
+from lmcache_mp.eval._ruler import TASKS_SCHEMA, TaskRow, TasksResult
 from lmcache_mp.eval._table import EVAL_SCHEMA, EvalResult, EvalRow
+from lmcache_mp.eval._tasks import TASKS
 
 __all__ = [
     "EVAL_SCHEMA",
     "GENERATE_SCHEMA",
+    "TASKS",
+    "TASKS_SCHEMA",
     "EvalConfig",
     "EvalResult",
     "EvalRow",
     "GenerateResult",
     "GenerateRow",
+    "Interval",
     "Speed",
+    "TaskRow",
+    "TasksResult",
     "add_eval_parser",
     "evaluate",
     "run_eval_command",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ from lmcache_mp.errors import LMCacheError
 from lmcache_mp.eval._config import EVAL_EDITS, EVAL_EXECUTORS, EvalConfig
 from lmcache_mp.eval._evaluate import evaluate
 from lmcache_mp.eval._table import EvalResult
+from lmcache_mp.eval._tasks import TASKS
 
 __all__ = ["add_eval_parser", "eval_config_from_args", "run_eval_command"]
 
@@ -33,6 +35,27 @@ def _fractions(text: str) -> tuple[float, ...]:
             f"expected fractions in (0, 1] separated by commas, got {text!r}"
         )
     return tuple(fraction(part) for part in parts)
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    """Comma-separated ints >= 1."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(
+            f"expected integers >= 1 separated by commas, got {text!r}"
+        )
+    return tuple(int_at_least(1)(part) for part in parts)
+
+
+def _fraction_or_zero(text: str) -> float:
+    """A fraction in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}")
+    return value
 
 
 def add_eval_parser(
@@ -150,6 +173,39 @@ def add_eval_parser(
     add_int(
         p, "--prompt-tokens", 1, None, "with --generate: cut each document to N tokens"
     )
+    tasks = p.add_argument_group("RULER-style tasks (instead of the documents)")
+    tasks.add_argument(
+        "--tasks",
+        type=name_list("task", TASKS),
+        default=(),
+        metavar="NAMES",
+        help=f"comma-separated, of {','.join(TASKS)}: accuracy per task and "
+        "length, with 95%% intervals",
+    )
+    tasks.add_argument(
+        "--length",
+        type=_counts,
+        default=d.lengths,
+        metavar="TOKENS",
+        help="with --tasks: comma-separated prompt lengths in the model's "
+        f"tokens (default: {','.join(map(str, d.lengths))})",
+    )
+    add_int(
+        tasks,
+        "--samples",
+        1,
+        None,
+        "with --tasks: prompts per task and length (default: enough for a 95%% "
+        "interval of 5 points each side)",
+    )
+    tasks.add_argument(
+        "--min-accuracy",
+        type=_fraction_or_zero,
+        default=d.min_accuracy,
+        metavar="FRACTION",
+        help="with --tasks: the uncompressed accuracy a cell needs for the "
+        f"edits to run on it (default: {d.min_accuracy:g})",
+    )
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument(
         "--plot", metavar="PATH", help="draw quality against keep (needs 'plot')"
@@ -171,8 +227,10 @@ def eval_config_from_args(
     """
     check_path(parser, "--json", args.json)
     check_path(parser, "--plot", args.plot)
-    if args.plot is not None and args.generate is not None:
-        parser.error("--plot draws quality against keep; not with --generate")
+    if args.plot is not None and (args.generate is not None or args.tasks):
+        parser.error(
+            "--plot draws quality against keep; not with --generate or --tasks"
+        )
     if args.plot is not None:
         try:
             require_matplotlib()
@@ -197,6 +255,10 @@ def eval_config_from_args(
             every=args.every,
             budget=args.budget,
             prompt_tokens=args.prompt_tokens,
+            tasks=args.tasks,
+            lengths=args.length,
+            samples=args.samples,
+            min_accuracy=args.min_accuracy,
         )
     except ValueError as exc:
         parser.error(f"invalid configuration: {exc}")

@@ -9,6 +9,8 @@ from typing import Any
 
 from lmcache_mp._harness.options import check_count
 from lmcache_mp.edits import EDITS, KIND_EDITS
+from lmcache_mp.eval._intervals import samples_for
+from lmcache_mp.eval._tasks import TASKS
 
 __all__ = ["EVAL_EDITS", "EVAL_EXECUTORS", "EvalConfig"]
 
@@ -81,6 +83,15 @@ class EvalConfig:
             tokens it is given).
         prompt_tokens: With ``generate``, each document cut to exactly
             this many tokens (default: the documents as they are).
+        tasks: Score RULER-style tasks instead (names of
+            :data:`~lmcache_mp.eval._tasks.TASKS`; see
+            ``lmcache_mp.eval._ruler``): accuracy per task and length,
+            with intervals; no documents or passkey then.
+        lengths: With ``tasks``, the prompt lengths, in the model's tokens.
+        samples: With ``tasks``, prompts per task and length (``None``:
+            enough for a 95% interval of at most 5 points each side).
+        min_accuracy: With ``tasks``, the uncompressed accuracy a cell
+            needs for the edits to run on it.
 
     Raises:
         ValueError: If an edit is unknown or named twice, a keep is not in
@@ -106,6 +117,10 @@ class EvalConfig:
     every: int | None = None
     budget: int | None = None
     prompt_tokens: int | None = None
+    tasks: tuple[str, ...] = ()
+    lengths: tuple[int, ...] = (1024,)
+    samples: int | None = None
+    min_accuracy: float = 0.8
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "edits", tuple(self.edits))
@@ -141,6 +156,7 @@ class EvalConfig:
         if self.workers is not None:
             check_count("EvalConfig", "workers", self.workers)
         self._check_generate()
+        self._check_tasks()
         if self.server is not None and self.store is None:
             raise ValueError(
                 "EvalConfig.server needs EvalConfig.store: the URL of the "
@@ -172,6 +188,40 @@ class EvalConfig:
                 "EvalConfig.generate runs on the embedded engines; a served "
                 "model is scored on prompts only (leave out server)"
             )
+
+    def _check_tasks(self) -> None:
+        """The task options: known names, positive lengths and counts."""
+        object.__setattr__(self, "tasks", tuple(self.tasks))
+        object.__setattr__(self, "lengths", tuple(self.lengths))
+        for name in self.tasks:
+            if name not in TASKS:
+                raise ValueError(
+                    f"EvalConfig.tasks: unknown task {name!r}; choose from "
+                    f"{', '.join(TASKS)}"
+                )
+        if len(set(self.tasks)) != len(self.tasks):
+            raise ValueError(f"EvalConfig.tasks names one twice: {self.tasks!r}")
+        if not self.lengths:
+            raise ValueError("EvalConfig.lengths is empty")
+        for length in self.lengths:
+            check_count("EvalConfig", "lengths", length)
+        if self.samples is not None:
+            check_count("EvalConfig", "samples", self.samples)
+        if not 0.0 <= self.min_accuracy <= 1.0:
+            raise ValueError(
+                f"EvalConfig.min_accuracy must be in [0, 1], got {self.min_accuracy!r}"
+            )
+        if self.tasks and (self.generate is not None or self.server is not None):
+            raise ValueError(
+                "EvalConfig.tasks runs on the embedded engines and prompts "
+                "only: leave out generate and server"
+            )
+
+    @property
+    def sample_count(self) -> int:
+        """``samples``, or enough for a 95% interval of at most 5 points
+        each side on any accuracy."""
+        return samples_for(0.05) if self.samples is None else self.samples
 
     @property
     def generate_tokens(self) -> int:

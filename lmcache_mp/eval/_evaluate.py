@@ -42,7 +42,10 @@ from lmcache_mp.eval._generate import (
     free_running,
     teacher_forced,
 )
+from lmcache_mp.eval._intervals import bootstrap
+from lmcache_mp.eval._ruler import ANSWER_TOKENS, TaskRow, TasksResult
 from lmcache_mp.eval._table import EvalResult, EvalRow
+from lmcache_mp.eval._tasks import Task, make_tasks
 from lmcache_mp.kv import KVStore, connect
 
 __all__ = ["EDIT_PARAMS", "evaluate"]
@@ -290,6 +293,71 @@ class _Eval:
             thread_s,
         )
 
+    def tasks(self) -> tuple[list[TaskRow], list[TaskRow], dict[str, float]]:
+        """Answer every task x length cell uncompressed, then with each
+        edit at each keep on the cells the model solves; the scored rows,
+        the dropped cells' rows, and each cell's mean prompt tokens."""
+        cfg = self.config
+        cells: list[tuple[TaskRow, list[Task], list[list[int]]]] = []
+        rows, dropped, tokens = [], [], {}
+        for name in cfg.tasks:
+            for length in cfg.lengths:
+                with ProgressLine(f"[eval] {name} at {length} tokens, uncompressed"):
+                    tasks = make_tasks(
+                        name, self.model.encode, length, cfg.sample_count, cfg.seed
+                    )
+                    prompts = [self.model.encode(t.text) for t in tasks]
+                    ids = self._add(self.batch, prompts, "", len(self.contexts))
+                    scores = self._answers(ids, tasks)
+                tokens[f"{name}@{length}"] = float(np.mean([len(p) for p in prompts]))
+                row = TaskRow(name, length, "none", None, scores, bootstrap(scores))
+                if row.accuracy.mean < cfg.min_accuracy:
+                    dropped.append(row)
+                    continue
+                rows.append(row)
+                cells.append((row, tasks, prompts))
+        for edit_name in cfg.edits:
+            kinds = len(self.contexts) if edit_name in KIND_EDITS else 1
+            for keep in cfg.keeps:
+                edit = self._edit(edit_name, {"keep": keep})
+                for base, tasks, prompts in cells:
+                    label = f"{edit_name} keep {keep:g} on {base.task}@{base.length}"
+                    with ProgressLine(f"[eval] {label}"):
+                        salt = f"{edit_name}@{keep}/{base.task}@{base.length}"
+                        ids = self._copies(self.batch, prompts, salt, kinds)
+                        modify_s = self._modify(self.batch, edit, ids)
+                        kept = np.mean(
+                            [
+                                len(self._context(sid)) / len(p)
+                                for sid, p in zip(ids, prompts, strict=True)
+                            ]
+                        )
+                        scores = self._answers(ids, tasks)
+                    rows.append(
+                        TaskRow(
+                            base.task,
+                            base.length,
+                            edit_name,
+                            keep,
+                            scores,
+                            bootstrap(scores),
+                            bootstrap(scores, base.scores),
+                            float(kept),
+                            modify_s,
+                        )
+                    )
+        return rows, dropped, tokens
+
+    def _answers(self, ids: list[str], tasks: list[Task]) -> list[float]:
+        """Decode each stream's greedy answer; each task's score of it."""
+        self.batch.decode(
+            {**_GREEDY, "max_tokens": ANSWER_TOKENS[tasks[0].name]}, stream_ids=ids
+        )
+        return [
+            task.score(self.model.decode(self.streams[sid].output_tokens))
+            for sid, task in zip(ids, tasks, strict=True)
+        ]
+
     def _edit(self, name: str, param: dict[str, Any]) -> Edit:
         """The edit ``name`` sized by ``param``, with the eval's options."""
         params = {**EDIT_PARAMS.get(name, {}), **param}
@@ -309,7 +377,7 @@ class _Eval:
 
 def evaluate(
     config: EvalConfig | None = None, **overrides: Any
-) -> EvalResult | GenerateResult:
+) -> EvalResult | GenerateResult | TasksResult:
     """Measure what each edit at each keep keeps of the model's output.
 
     For ``config.prompts`` documents, the uncompressed run's greedy
@@ -330,11 +398,13 @@ def evaluate(
         **overrides: Fields replacing the config's, e.g. ``keeps=(0.5,)``.
 
     With ``config.generate``, it scores compression while generating
-    instead (:mod:`lmcache_mp.eval._generate`).
+    instead (:mod:`lmcache_mp.eval._generate`); with ``config.tasks``,
+    RULER-style tasks with intervals (:mod:`lmcache_mp.eval._ruler`).
 
     Returns:
-        The result: table, JSON and plot (a :class:`GenerateResult`, with
-        no plot, for ``config.generate``).
+        The result: table, JSON and plot (a :class:`GenerateResult` for
+        ``config.generate``, a :class:`TasksResult` for ``config.tasks``,
+        neither with a plot).
 
     Raises:
         ValueError: For an invalid config (see :class:`EvalConfig`).
@@ -373,6 +443,16 @@ def evaluate(
             LMCacheBatchedStream("thread") as threads,
         ):
             run = _Eval(config, model, contexts, batch, threads)
+            if config.tasks:
+                scored, dropped, lengths = run.tasks()
+                return TasksResult(
+                    config,
+                    scored,
+                    dropped,
+                    lengths,
+                    time.perf_counter() - begin,
+                    created,
+                )
             if config.generate is not None:
                 with ProgressLine("[eval] uncompressed generation"):
                     generated, prompts = run.generation()
