@@ -158,6 +158,41 @@ def test_modify_stores_the_new_kv_under_the_new_tokens(
     )
 
 
+class NoOverwriteKV(InMemoryKV):
+    """A context whose store, like upstream's, skips cached chunks and has
+    no ``overwrite=``."""
+
+    def store(  # type: ignore[override]
+        self, kv: np.ndarray, tokens: Any, cache_salt: str = ""
+    ) -> bool:
+        return super().store(kv, tokens, cache_salt)
+
+
+def test_only_an_edit_that_did_not_land_is_warned(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A same-token edit that a store without overwrite skipped is lost,
+    and logs a warning naming the stream; an edit of new tokens whose
+    chunks are all cached already (the same KV under the same prefix)
+    logs nothing above debug."""
+    kv = NoOverwriteKV()
+    engine = FakeEngine(kv)
+    drop = lambda k, t: (k[:, :, 4:], t[4:])  # noqa: E731
+    for _ in range(2):
+        s = lmc_stream.create_request(kv, engine, list(range(8)))
+        s.generate({"max_tokens": 1})
+        with caplog.at_level("DEBUG", logger="lmcache_mp"):
+            s.modify_kv(drop, timeout=1)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert any("already cached" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lmcache_mp"):
+        s.modify_kv(lambda k, t: (k * 2, t), timeout=1)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"store reported edited KV already cached for stream {s.stream_id()}"
+    ]
+
+
 def test_modify_clears_done(kv: InMemoryKV) -> None:
     """A modify makes the stream resumable: done is cleared."""
     s = lmc_stream.create_request(kv, FakeEngine(kv, eos_id=17), [1, 2, 3, 4])

@@ -417,9 +417,12 @@ class StreamBase:
                 f"stream {sid}: the store rejected the new {kind.name}: {exc}", sid
             ) from exc
         if not wrote:
-            logger.warning(
-                "store reported edited %s already cached for stream %s", kind.name, sid
-            )
+            # A same-token edit that did not land is lost: say so. An edit of
+            # new tokens whose every chunk is cached already (a compression
+            # round keeping what the last one kept) finds the same KV there,
+            # keyed by the same token prefix.
+            log = logger.warning if replace else logger.debug
+            log("store reported edited %s already cached for stream %s", kind.name, sid)
         return None
 
     def update_kv(self, kv: Any, tokens: Sequence[int]) -> None:
