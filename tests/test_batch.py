@@ -263,3 +263,15 @@ def test_a_same_token_edit_lands_in_the_store(
             store.retrieve(batch.streams[sid].tokens), before[sid] * 2
         )
     assert not [n for n in os.listdir(store.path) if n.startswith(".tmp-")]
+
+
+@pytest.mark.parametrize(("cap", "threads"), [(None, 3), (2, 2)])
+def test_a_thread_report_names_the_threads_the_phase_ran(
+    store: SharedMemoryKVStore, cap: int | None, threads: int
+) -> None:
+    """The thread executor's report gives the threads a phase ran on: one
+    per stream by default (as upstream), else the cap."""
+    with lmc_batch.LMCacheBatchedStream("thread", max_workers=cap) as batch:
+        _fill(batch, store)
+        report = batch.prefill({}).to_dict()["metrics"]["config"]
+    assert (report["executor"], report["workers"]) == ("thread", threads)

@@ -206,11 +206,14 @@ class LMCacheBatchedStream:
 
     def _info(self) -> ExecutorInfo:
         run = self._last_run
-        if run is not None and run.executor:
-            return ExecutorInfo(
-                self._executor.name, run.workers, run.executor, run.reason
-            )
-        return ExecutorInfo(self._executor.name, self._executor.workers)
+        if run is None:
+            return ExecutorInfo(self._executor.name, self._executor.workers)
+        return ExecutorInfo(
+            self._executor.name,
+            run.workers or self._executor.workers,
+            run.executor,
+            run.reason,
+        )
 
     def _modify(
         self,

@@ -54,7 +54,9 @@ class PhaseRun:
         pool_rebuilds: Times the pool was rebuilt after a worker died.
         executor: The executor ``"auto"`` chose (``""`` for the others).
         reason: Why it chose it.
-        workers: Workers or threads the chosen executor ran (``"auto"``).
+        workers: Workers or threads the phase ran on, where the executor
+            decides it per phase (``"auto"``'s choice, the thread
+            executor's one per stream); 0: the executor's own count.
         unrun: Streams a ``hold`` of the run left unrun (none were sent).
     """
 

@@ -56,12 +56,12 @@ class ThreadExecutor(PhaseExecutor):
         cannot be killed): it fails, and whatever it finishes later is
         discarded, never committed.
         """
-        result = PhaseRun()
         if not jobs:
-            return result
+            return PhaseRun()
         n = min(len(jobs), self._max_workers or len(jobs))
         if spec.kind == "modify" and max_in_flight is not None:
             n = min(n, max(1, max_in_flight))
+        result = PhaseRun(workers=n)
         pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="lmcache-mp")
         try:
             with limit_blas_while(n):
