@@ -112,6 +112,31 @@ def test_closing_the_batch_releases_its_pins(stores: StoreFactory) -> None:
     assert ctx.stats().evictions == 2
 
 
+@pytest.mark.parametrize("executor", ["serial", "process"])
+def test_a_removed_stream_leaves_the_batch_and_its_pins(
+    stores: StoreFactory, executor: str
+) -> None:
+    """remove() takes a stream out of an open batch: no later phase runs
+    it, its KV is no longer pinned (a store past capacity evicts it), and
+    the other streams' pins hold."""
+    ctx = stores.connect(chunk_size=C, capacity_bytes=len(PROMPTS) * 2 * CHUNK)
+    with _filled_batch(ctx, executor) as batch:
+        first = next(iter(batch.streams))
+        removed = batch.remove(first)
+        assert first not in batch.streams and removed.stream_id() == first
+        assert ctx.stats().pinned_bytes == (len(PROMPTS) - 1) * 2 * CHUNK
+        batch.decode({"max_tokens": 1})
+        assert len(removed.state.output_ids) == 1
+        other = list(range(500, 500 + 2 * C))
+        assert ctx.store(kv_for(other), other)
+        assert ctx.retrieve(removed.tokens) is None
+        for stream in batch.streams.values():
+            assert len(stream.state.output_ids) == 2
+            assert ctx.retrieve(stream.tokens[: 2 * C]) is not None
+        with pytest.raises(LMCacheBatchedStreamError, match=first):
+            batch.remove(first)
+
+
 def test_an_evicted_prefix_fails_at_once_naming_the_stream(
     stores: StoreFactory,
 ) -> None:

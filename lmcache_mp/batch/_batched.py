@@ -17,7 +17,7 @@ from lmcache_mp._core.validate import check_max_tokens, select_streams
 from lmcache_mp._util.arrays import check_array_type
 from lmcache_mp.batch._commit import commit, drop_staged, raise_failures
 from lmcache_mp.batch._memory import modify_bound
-from lmcache_mp.batch._pinning import pin_stream, release
+from lmcache_mp.batch._pinning import pin_stream, release, unpin_stream
 from lmcache_mp.batch._reports import (
     ExecutorInfo,
     Rounds,
@@ -192,10 +192,11 @@ class LMCacheBatchedStream:
             failures = commit(
                 streams, run, self.perf_metrics, self.modify_metrics, self._pins
             )
-        for sid in ids:
-            # Exactly the committed tokens' KV: what a phase wrote for a
-            # stream that failed, or for tokens it no longer has, is let go.
-            pin_stream(self.streams[sid], self._pins, self._pinned)
+            for stream in streams:
+                # Exactly the committed tokens' KV: what a phase wrote for a
+                # stream that failed, or for tokens it no longer has, is let
+                # go.
+                pin_stream(stream, self._pins, self._pinned)
         return duration, failures
 
     def _modify_bound(self, ids: list[str]) -> int | None:
@@ -276,6 +277,33 @@ class LMCacheBatchedStream:
             raise LMCacheBatchedStreamError(f"stream {sid} is already in the batch")
         pin_stream(stream, self._pins, self._pinned)
         self.streams[sid] = stream
+
+    def remove(self, stream_id: str) -> StreamBase:
+        """Take a stream out of the batch and return it.
+
+        The batch's pins on its KV are released, so that the store may
+        evict it like any chunk no one pins (a batch that keeps adding
+        streams, as an eval does, would otherwise hold every one's KV);
+        no later phase runs it, and its state is as the last phase left
+        it.
+
+        Args:
+            stream_id: The stream's id.
+
+        Returns:
+            The stream.
+
+        Raises:
+            LMCacheBatchedStreamError: If no stream has that id.
+            KVStoreError: If a store cannot remove the pin.
+        """
+        stream = self.get_stream(stream_id)
+        # Under the lock: a phase running on another thread snapshots the
+        # streams it runs, and commits to them.
+        with self._lock:
+            del self.streams[stream_id]
+            unpin_stream(stream, self._pins)
+        return stream
 
     def get_stream(self, stream_id: str) -> StreamBase:
         """Return the stream registered under ``stream_id``.

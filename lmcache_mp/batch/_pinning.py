@@ -10,7 +10,7 @@ from lmcache_mp._core.streambase import StreamBase
 from lmcache_mp.executors import PhaseExecutor
 from lmcache_mp.kv import PinOwner
 
-__all__ = ["pin_stream", "release"]
+__all__ = ["pin_stream", "release", "unpin_stream"]
 
 
 def pin_stream(stream: StreamBase, owner: PinOwner, stores: dict[int, Any]) -> None:
@@ -34,6 +34,24 @@ def pin_stream(stream: StreamBase, owner: PinOwner, stores: dict[int, Any]) -> N
         if pin is not None:
             stores[id(ctx)] = ctx
             pin(owner, stream._stream_id, stream.tokens, stream.cache_salt)
+
+
+def unpin_stream(stream: StreamBase, owner: PinOwner) -> None:
+    """Release the pins ``owner`` holds on ``stream``'s KV in its stores,
+    which may then evict it like any chunk no one pins.
+
+    Args:
+        stream: A stream leaving the batch.
+        owner: The batch.
+
+    Raises:
+        KVStoreError: If a store cannot remove the pin.
+    """
+    stream.state.pin = None
+    for ctx in stream.contexts.values():
+        unpin = getattr(ctx, "unpin", None)
+        if unpin is not None:
+            unpin(owner, stream._stream_id)
 
 
 def release(executor: PhaseExecutor, stores: dict[int, Any], owner: PinOwner) -> None:
