@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import secrets
 import time
 from typing import Any
 
@@ -106,6 +105,14 @@ class _Eval:
             ids.append(stream.request_stream_id)
         return ids
 
+    def _drop(self, batch: LMCacheBatchedStream, ids: list[str]) -> None:
+        """Take scored streams out of ``batch``: their KV is no longer
+        pinned, and the store may evict it (every edit's copies would
+        otherwise stay pinned until the eval ends)."""
+        for sid in ids:
+            batch.remove(sid)
+            del self.streams[sid]
+
     def _passkey(self, ids: list[str]) -> float:
         """Decode the haystacks' answers; the fraction that state the key."""
         self.batch.decode(
@@ -157,10 +164,12 @@ class _Eval:
         agreed = agreement(
             self.model.engine, contexts[: len(docs)], self.reference, salt
         )
+        self._drop(self.batch, docs + keys)
         thread_s = modify_s
         if self.batch.executor.name != "thread":
             t_docs, t_keys = self._fresh(self.threads, f"{salt}/thread", kinds)
             thread_s = self._modify(self.threads, edit, t_docs + t_keys)
+            self._drop(self.threads, t_docs + t_keys)
         return EvalRow(
             name,
             keep,
@@ -216,6 +225,7 @@ class _Eval:
         )
         ids = self._copies(self.batch, prompts, "none", kinds)
         outputs, speed = free_running(self.batch, ids, cfg, None)
+        self._drop(self.batch, ids)
         engine = self.model.engine
         reference = Reference(
             outputs,
@@ -264,12 +274,15 @@ class _Eval:
             self.batch, ids, cfg, edit, self.model.engine, reference, salt
         )
         positions = sum(r["positions"] for r in rounds)
+        self._drop(self.batch, ids)
         ids = self._copies(self.batch, prompts, f"{salt}/free", kinds)
         outputs, speed = free_running(self.batch, ids, cfg, edit)
+        self._drop(self.batch, ids)
         thread_s = speed.modify_s
         if self.batch.executor.name != "thread":
             ids = self._copies(self.threads, prompts, f"{salt}/thread", kinds)
             thread_s = free_running(self.threads, ids, cfg, edit)[1].modify_s
+            self._drop(self.threads, ids)
         prefixes = [
             common_prefix(o, r) for o, r in zip(outputs, reference.tokens, strict=True)
         ]
@@ -333,6 +346,7 @@ class _Eval:
                             ]
                         )
                         scores = self._answers(ids, tasks)
+                        self._drop(self.batch, ids)
                     rows.append(
                         TaskRow(
                             base.task,
@@ -422,10 +436,9 @@ def evaluate(
     config = dataclasses.replace(config or EvalConfig(), **overrides)
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     begin = time.perf_counter()
-    store = connect(
-        config.store or f"shm:///lmcache-mp-eval-{secrets.token_hex(6)}",
-        chunk_size=config.chunk_size,
-    )
+    # Without a given store, a temporary one: removed however the eval
+    # ends, a kill included (the library's tracker removes it).
+    store = connect(config.store, chunk_size=config.chunk_size)
     contexts = [store]
     try:
         if config.needs_queries:
