@@ -29,6 +29,7 @@ from lmcache_mp._harness.prompts import (
     document_tokens,
     passkey_prompts,
 )
+from lmcache_mp._util.paths import shm_root
 from lmcache_mp.batch import LMCacheBatchedStream
 from lmcache_mp.cache_kind import LMCacheSDKCacheKind
 from lmcache_mp.edits import KIND_EDITS, Edit, make_edit
@@ -45,7 +46,7 @@ from lmcache_mp.eval._intervals import bootstrap
 from lmcache_mp.eval._ruler import ANSWER_TOKENS, TaskRow, TasksResult
 from lmcache_mp.eval._table import EvalResult, EvalRow
 from lmcache_mp.eval._tasks import Task, make_tasks
-from lmcache_mp.kv import KVStore, connect
+from lmcache_mp.kv import KVStore, connect, default_capacity
 
 __all__ = ["EDIT_PARAMS", "evaluate"]
 
@@ -437,8 +438,11 @@ def evaluate(
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     begin = time.perf_counter()
     # Without a given store, a temporary one: removed however the eval
-    # ends, a kill included (the library's tracker removes it).
-    store = connect(config.store, chunk_size=config.chunk_size)
+    # ends, a kill included (the library's tracker removes it). Half the
+    # default capacity: the eval's processes each hold a model beside the
+    # store's pages, more than the default's reserve leaves them.
+    capacity = None if config.store else default_capacity(shm_root()) // 2
+    store = connect(config.store, chunk_size=config.chunk_size, capacity_bytes=capacity)
     contexts = [store]
     try:
         if config.needs_queries:
