@@ -230,6 +230,24 @@ def test_query_edits_score_with_the_latest_window_each_round(
     gets the queries of the whole cached prefix, each later one those of
     the positions after the previous edit's last full chunk (the tokens
     computed since), and the budget holds."""
+    rounds, _ = _snapkv_rounds(ctx, EVERY, executor, method)
+    assert len(rounds) == MAX_TOKENS // EVERY - 1
+    first = (PROMPT_LEN + 1 + EVERY - 1) // CHUNK * CHUNK
+    aligned = BUDGET // CHUNK * CHUNK
+    for index, figures in enumerate(rounds):
+        for m in figures.values():
+            assert m.tokens_after <= BUDGET
+            assert m.info is not None
+            expected = first if index == 0 else m.tokens_before - aligned
+            assert m.info["queries"] == expected
+
+
+def _snapkv_rounds(
+    ctx: KVStore, every: int, executor: str = "serial", method: str = "spawn"
+) -> tuple[list[dict[str, Any]], list[list[int]]]:
+    """Generate MAX_TOKENS on the four prompts with a QUERY context,
+    compressing with :func:`snapkv_noting_queries` every ``every`` tokens;
+    each round's figures, and the outputs."""
     queries = ctx.for_kind(LMCacheSDKCacheKind.QUERY)
     batch = lmc_batch.LMCacheBatchedStream(executor, max_workers=2, mp_context=method)
     engine = EmbeddedEngine(ctx, EngineConfig(), query_ctx=queries)
@@ -241,18 +259,11 @@ def test_query_edits_score_with_the_latest_window_each_round(
             batch.decode(
                 {**GREEDY, "max_tokens": MAX_TOKENS},
                 compress=snapkv_noting_queries,
-                every=EVERY,
+                every=every,
                 array="numpy",
             )
-            assert len(batch.round_metrics) == MAX_TOKENS // EVERY - 1
-            first = (PROMPT_LEN + 1 + EVERY - 1) // CHUNK * CHUNK
-            aligned = BUDGET // CHUNK * CHUNK
-            for index, figures in enumerate(batch.round_metrics):
-                for m in figures.values():
-                    assert m.tokens_after <= BUDGET
-                    assert m.info is not None
-                    expected = first if index == 0 else m.tokens_before - aligned
-                    assert m.info["queries"] == expected
+            outputs = [list(s.state.output_ids) for s in batch.streams.values()]
+            return list(batch.round_metrics), outputs
     finally:
         queries.close()
 
@@ -265,37 +276,18 @@ def test_a_round_leaves_a_stream_with_nothing_new_cached_as_it_is(
     it as it is (the fn is not called: nothing new is cached, and no
     queries of new tokens exist), and the rounds with a new chunk
     compress it; a query-aware edit runs through such a generation."""
-    queries = ctx.for_kind(LMCacheSDKCacheKind.QUERY)
-    batch = lmc_batch.LMCacheBatchedStream("serial")
-    engine = EmbeddedEngine(ctx, EngineConfig(), query_ctx=queries)
     every = 4
-    try:
-        with batch:
-            for prompt in _prompts():
-                batch.add(request.create_request([ctx, queries], engine, prompt, ""))
-            batch.prefill({"temperature": 0})
-            batch.decode(
-                {**GREEDY, "max_tokens": MAX_TOKENS},
-                compress=snapkv_noting_queries,
-                every=every,
-                array="numpy",
-            )
-            assert len(batch.round_metrics) == MAX_TOKENS // every - 1
-            called = [
-                [m.info is not None for m in figures.values()]
-                for figures in batch.round_metrics
-            ]
-            assert any(all(c) for c in called[1:])
-            assert any(not any(c) for c in called[1:])
-            for figures in batch.round_metrics:
-                for m in figures.values():
-                    assert m.tokens_after <= BUDGET
-                    if m.info is None:
-                        assert m.tokens_before == m.tokens_after
-            outputs = [s.state.output_ids for s in batch.streams.values()]
-            assert all(len(out) == 1 + MAX_TOKENS for out in outputs)
-    finally:
-        queries.close()
+    rounds, outputs = _snapkv_rounds(ctx, every)
+    assert len(rounds) == MAX_TOKENS // every - 1
+    called = [[m.info is not None for m in figures.values()] for figures in rounds]
+    assert any(all(c) for c in called[1:])
+    assert any(not any(c) for c in called[1:])
+    for figures in rounds:
+        for m in figures.values():
+            assert m.tokens_after <= BUDGET
+            if m.info is None:
+                assert m.tokens_before == m.tokens_after
+    assert all(len(out) == 1 + MAX_TOKENS for out in outputs)
 
 
 def test_a_second_query_edit_with_nothing_cached_since_fails_naming_it(

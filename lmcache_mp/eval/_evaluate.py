@@ -439,9 +439,12 @@ def evaluate(
     begin = time.perf_counter()
     # Without a given store, a temporary one: removed however the eval
     # ends, a kill included (the library's tracker removes it). Half the
-    # default capacity: the eval's processes each hold a model beside the
-    # store's pages, more than the default's reserve leaves them.
-    capacity = None if config.store else default_capacity(shm_root()) // 2
+    # default capacity in all: the eval's processes each hold a model
+    # beside the store's pages, more than the default's reserve leaves
+    # them; and each kind's namespace (KV, queries) keeps a capacity of its
+    # own.
+    kinds = 2 if config.needs_queries else 1
+    capacity = None if config.store else default_capacity(shm_root()) // (2 * kinds)
     store = connect(config.store, chunk_size=config.chunk_size, capacity_bytes=capacity)
     contexts = [store]
     try:

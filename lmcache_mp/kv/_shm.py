@@ -467,6 +467,8 @@ class SharedMemoryKVStore(StoreHandle):
         chunk keys, checksums, atomic writes and eviction, so that the
         queries of a prompt never answer for its KV (upstream namespaces
         the model name by kind). Its layout is fixed by its first store.
+        Each namespace keeps this handle's capacity for itself: a store of
+        two kinds may hold up to twice ``capacity``.
         Removing the store (``destroy``, or closing a temporary one) removes
         every kind.
 
