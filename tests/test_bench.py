@@ -155,7 +155,7 @@ def test_each_flag_sets_its_field(flags: list[str], field: str, value: Any) -> N
         (["--executors", "thread,thread"], "named twice"),
         (
             ["--edit", "prune"],
-            "unknown edit 'prune' (choose from h2o, identity, keydiff",
+            "unknown edit 'prune' (choose from expected_attention, h2o, identity",
         ),
         (["--streams", "0"], "--streams: expected an integer >= 1, got 0"),
         (["--prompt-tokens", "many"], "expected an integer >= 1, got 'many'"),
