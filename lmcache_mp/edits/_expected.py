@@ -142,8 +142,9 @@ class ExpectedAttention(QueryDrop, EndsDrop):
             probs /= probs.sum(axis=-1, keepdims=True)
             expected = probs.mean(axis=1)
             if self.value_norm:
-                values, _ = self.split_heads(kv[1, layer], queries[0, layer, :1])
-                expected = expected * np.linalg.norm(values[:, sinks:], axis=-1)
+                values = kv[1, layer, sinks:].astype(np.float64)
+                per_head = values.reshape(len(values), len(k), dim)
+                expected = expected * np.linalg.norm(per_head, axis=-1).T
             scores[sinks:] += expected.mean(axis=0)
         scores /= layers
         return scores
