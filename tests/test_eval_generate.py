@@ -4,12 +4,19 @@ teacher-forced along it and free-running against it, with decode speed."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
+from lmcache_mp import connect
 from lmcache_mp.__main__ import main
+from lmcache_mp._harness.prompts import document_tokens
+from lmcache_mp.engine import HFEngine
 from lmcache_mp.eval import GENERATE_SCHEMA, EvalConfig, GenerateResult, evaluate
 
 GENERATE, EVERY, BUDGET = 40, 16, 64
@@ -136,3 +143,83 @@ def test_plot_with_generate_is_a_usage_error(
         main([*argv, "--plot", str(tmp_path / "p.png")])
     assert exit_info.value.code == 2
     assert "not with --generate" in capsys.readouterr().err
+
+
+def _greedy_and_sliced_logprobs(
+    model: Any, prompt: list[int], generate: int, every: int, budget: int
+) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """By hand, with transformers alone: the uncompressed greedy generation,
+    its log-probabilities over the second round's tokens, and theirs after
+    the first round's KV (prompt + ``every`` generated tokens, computed
+    against the whole cache) is cut to ``window``'s 4 sinks and most recent
+    tokens, keys left at their positions, the last kept token recomputed
+    (as every engine does with a cached prompt's last token)."""
+    from transformers import DynamicCache
+
+    def forward(tokens: list[int], start: int, cache: Any) -> Any:
+        ids = torch.tensor([tokens])
+        positions = torch.arange(start, start + len(tokens))[None]
+        out = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+        return out.logits[0].float().log_softmax(-1)
+
+    with torch.inference_mode():
+        whole = DynamicCache(config=model.config)
+        logprobs = forward(prompt, 0, whole)[-1]
+        tokens: list[int] = []
+        for step in range(generate):
+            tokens.append(int(logprobs.argmax()))
+            logprobs = forward(tokens[-1:], len(prompt) + step, whole)[-1]
+        reference = forward(
+            [*prompt, *tokens[:-1]], 0, DynamicCache(config=model.config)
+        )
+        first = DynamicCache(config=model.config)
+        forward([*prompt, *tokens[:every]], 0, first)
+        total = len(prompt) + every
+        kept = [*range(4), *range(total - (budget - 4), total)]
+        cut = DynamicCache(config=model.config)
+        rows = torch.tensor(kept[:-1])
+        for index, layer in enumerate(first.layers):
+            cut.update(layer.keys[:, :, rows], layer.values[:, :, rows], index)
+        last = [*prompt, *tokens][kept[-1]]
+        edited = forward([last, *tokens[every : 2 * every - 1]], budget - 1, cut)
+    second = slice(len(prompt) - 1 + every, len(prompt) - 1 + 2 * every)
+    return tokens, reference[second].numpy(), edited.numpy()
+
+
+def test_teacher_forced_rounds_equal_cutting_the_kv_by_hand() -> None:
+    """On SmolLM2, the second round's top-1 agreement and KL are those of
+    the reference's tokens scored after the first round's KV cut by hand
+    with transformers: the rounds score what the edit left, at the
+    positions an engine decodes at."""
+    prompt_tokens, generate, every, budget = 96, 32, 16, 48
+    result = evaluate(
+        EvalConfig(
+            edits=("window",),
+            engine="smollm2-135m",
+            prompts=1,
+            prompt_tokens=prompt_tokens,
+            generate=generate,
+            every=every,
+            budget=budget,
+            chunk_size=16,
+            workers=2,
+        )
+    )
+    assert isinstance(result, GenerateResult)
+    ctx = connect(chunk_size=16)
+    try:
+        hf = HFEngine.from_pretrained("smollm2-135m", ctx)
+        encode = functools.partial(hf.encode, chat=False)
+        prompt = document_tokens(encode, 1, prompt_tokens)[0]
+        tokens, reference, edited = _greedy_and_sliced_logprobs(
+            hf.model, prompt, generate, every, budget
+        )
+    finally:
+        ctx.destroy()
+    wanted = tokens[every : 2 * every]
+    top1 = float(np.mean(edited.argmax(-1) == np.array(wanted)))
+    kl = float(np.mean((np.exp(reference) * (reference - edited)).sum(-1)))
+    row = result.rows[1]
+    assert row.round_top1[1] == pytest.approx(top1)
+    assert row.round_kl[1] == pytest.approx(kl, rel=1e-3, abs=1e-4)
+    assert kl > 0.01
