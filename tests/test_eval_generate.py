@@ -146,7 +146,7 @@ def test_plot_with_generate_is_a_usage_error(
 
 
 def _greedy_and_sliced_logprobs(
-    model: Any, prompt: list[int], generate: int, every: int, budget: int
+    hf: HFEngine, prompt: list[int], generate: int, every: int, budget: int
 ) -> tuple[list[int], np.ndarray, np.ndarray]:
     """By hand, with transformers alone: the uncompressed greedy generation,
     its log-probabilities over the second round's tokens, and theirs after
@@ -156,11 +156,10 @@ def _greedy_and_sliced_logprobs(
     (as every engine does with a cached prompt's last token)."""
     from transformers import DynamicCache
 
+    model = hf.model
+
     def forward(tokens: list[int], start: int, cache: Any) -> Any:
-        ids = torch.tensor([tokens])
-        positions = torch.arange(start, start + len(tokens))[None]
-        out = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
-        return out.logits[0].float().log_softmax(-1)
+        return hf.forward(tokens, start, cache).logits[0].float().log_softmax(-1)
 
     with torch.inference_mode():
         whole = DynamicCache(config=model.config)
@@ -212,7 +211,7 @@ def test_teacher_forced_rounds_equal_cutting_the_kv_by_hand() -> None:
         encode = functools.partial(hf.encode, chat=False)
         prompt = document_tokens(encode, 1, prompt_tokens)[0]
         tokens, reference, edited = _greedy_and_sliced_logprobs(
-            hf.model, prompt, generate, every, budget
+            hf, prompt, generate, every, budget
         )
     finally:
         ctx.destroy()

@@ -3,6 +3,8 @@ the CPU, with LMCache's prefix cache and vLLM's KV layout."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -348,18 +350,30 @@ class HFEngine(CachingEngine):
         cache = DynamicCache(config=cfg)
         with torch.inference_mode():
             reused = self._load_cached(cache, list(prompt), cache_salt)
-            ids = torch.tensor([whole[reused:-1]], dtype=torch.long)
-            positions = torch.arange(reused, len(whole) - 1, dtype=torch.long)[None]
-            out = self.model(
-                input_ids=ids,
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=len(continuation),
-            )
+            out = _run(self.model, whole[reused:-1], reused, cache, len(continuation))
             logprobs = out.logits[0].float().log_softmax(dim=-1)
         result: npt.NDArray[np.float32] = logprobs.numpy()
         return result
+
+    def forward(
+        self, tokens: Sequence[int], start: int, cache: Any, logits: int = 0
+    ) -> Any:
+        """Run the model once, outside the store: ``tokens`` at positions
+        ``start...``, appended to a ``transformers`` cache the caller holds
+        (what an external method, such as a kvpress press, hooks into).
+
+        Args:
+            tokens: The token ids to run.
+            start: The position of the first (a compressed cache may hold
+                fewer than ``start`` tokens: positions are not its length).
+            cache: A ``transformers`` cache, e.g. ``DynamicCache``.
+            logits: How many of the last positions' logits to compute (0:
+                all).
+
+        Returns:
+            The model's output; ``.logits`` is ``[1, positions, vocab]``.
+        """
+        return _run(self.model, tokens, start, cache, logits)
 
     def _load_cached(self, cache: Any, prompt: list[int], salt: str) -> int:
         """Fill ``cache`` with the prompt's cached prefix; return its length."""
@@ -395,19 +409,49 @@ class HFEngine(CachingEngine):
         return reused
 
 
-def _forward(model: Any, tokens: list[int], start: int, cache: Any) -> Any:
-    """Run ``tokens`` at positions ``start...`` over ``cache``; next logits."""
+def _run(
+    model: Any, tokens: Sequence[int], start: int, cache: Any, logits: int = 0
+) -> Any:
+    """One forward of a causal LM: ``tokens`` at positions ``start...``,
+    appended to ``cache``.
+
+    Args:
+        model: A ``transformers`` causal LM.
+        tokens: The token ids to run.
+        start: The position of the first.
+        cache: A ``transformers`` cache holding positions ``0 .. start-1``.
+        logits: How many of the last positions' logits to compute (0: all).
+
+    Returns:
+        The model's output (``.logits``: ``[1, positions, vocab]``).
+    """
     import torch
 
-    ids = torch.tensor([tokens], dtype=torch.long)
+    ids = torch.tensor([list(tokens)], dtype=torch.long)
     positions = torch.arange(start, start + len(tokens), dtype=torch.long)[None]
-    out = model(
+    model_class: Any = type(model)
+    kwargs = {_cache_argument(model_class): cache}
+    return model(
         input_ids=ids,
         position_ids=positions,
-        cache=cache,
         use_cache=True,
-        logits_to_keep=1,
+        logits_to_keep=logits,
+        **kwargs,
     )
+
+
+@functools.cache
+def _cache_argument(model_class: Any) -> str:
+    """The name a model's ``forward`` takes its cache by: ``cache`` in the
+    ``transformers`` releases the ``model`` extra prefers, ``past_key_values``
+    in the older ones that kvpress requires."""
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def _forward(model: Any, tokens: list[int], start: int, cache: Any) -> Any:
+    """Run ``tokens`` at positions ``start...`` over ``cache``; next logits."""
+    out = _run(model, tokens, start, cache, 1)
     logits: npt.NDArray[np.float64] = out.logits[0, -1].double().numpy()
     return logits
 

@@ -34,6 +34,7 @@ def _attention(
     key: Any,
     value: Any,
     attention_mask: Any,
+    dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[Any, Any]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -42,8 +43,10 @@ def _attention(
     if sink is not None:
         # [batch, q_heads, new tokens, head_dim], after RoPE.
         sink[module.layer_idx] = query.detach()
+    # dropout by position too: kvpress wraps every registered attention
+    # function in one that passes it so (its attention_patch).
     out: tuple[Any, Any] = sdpa_attention_forward(
-        module, query, key, value, attention_mask, **kwargs
+        module, query, key, value, attention_mask, dropout=dropout, **kwargs
     )
     return out
 
