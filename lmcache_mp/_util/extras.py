@@ -8,7 +8,7 @@ __all__ = ["import_extra"]
 
 
 def import_extra(module: str, extra: str) -> Any:
-    """Import an optional engine, naming the extra that installs it.
+    """Import an optional dependency, naming the extra that installs it.
 
     Raises:
         ImportError: If the module is not installed.
@@ -19,5 +19,5 @@ def import_extra(module: str, extra: str) -> Any:
         return importlib.import_module(module)
     except ImportError as exc:
         raise ImportError(
-            f"executor {extra!r} needs {module!r}: pip install 'lmcache-mp[{extra}]'"
+            f"{module!r} is not installed: pip install 'lmcache-mp[{extra}]'"
         ) from exc

@@ -17,7 +17,7 @@ from lmcache_mp._harness.options import (
 )
 from lmcache_mp.edits import EDITS, KIND_EDITS
 from lmcache_mp.errors import LMCacheError
-from lmcache_mp.eval._config import EVAL_EDITS, EVAL_EXECUTORS, EvalConfig
+from lmcache_mp.eval._config import COMPARE, EVAL_EDITS, EVAL_EXECUTORS, EvalConfig
 from lmcache_mp.eval._evaluate import evaluate
 from lmcache_mp.eval._table import EvalResult
 from lmcache_mp.eval._tasks import TASKS
@@ -206,6 +206,15 @@ def add_eval_parser(
         help="with --tasks: the uncompressed accuracy a cell needs for the "
         f"edits to run on it (default: {d.min_accuracy:g})",
     )
+    tasks.add_argument(
+        "--compare",
+        type=name_list("implementation", COMPARE),
+        default=(),
+        metavar="NAMES",
+        help="with --tasks: also run kvpress's counterpart of each edit (and "
+        "its uncompressed model) on the same prompts and keeps (needs "
+        "'compare')",
+    )
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument(
         "--plot", metavar="PATH", help="draw quality against keep (needs 'plot')"
@@ -259,6 +268,7 @@ def eval_config_from_args(
             lengths=args.length,
             samples=args.samples,
             min_accuracy=args.min_accuracy,
+            compare=args.compare,
         )
     except ValueError as exc:
         parser.error(f"invalid configuration: {exc}")

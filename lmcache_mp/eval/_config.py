@@ -12,7 +12,7 @@ from lmcache_mp.edits import EDITS, KIND_EDITS
 from lmcache_mp.eval._intervals import samples_for
 from lmcache_mp.eval._tasks import TASKS
 
-__all__ = ["EVAL_EDITS", "EVAL_EXECUTORS", "EvalConfig"]
+__all__ = ["COMPARE", "EVAL_EDITS", "EVAL_EXECUTORS", "EvalConfig"]
 
 #: The edits ``lmcache-mp eval`` compares by default: the published
 #: methods, every one sized by ``keep``.
@@ -28,6 +28,8 @@ EVAL_EDITS = (
     "rkv",
     "expected_attention",
 )
+#: Other implementations ``compare`` may name.
+COMPARE = ("kvpress",)
 #: Executors the modify phase may run on (the eval's own process runs the
 #: scoring; distributed executors are the bench's).
 EVAL_EXECUTORS = ("process", "thread", "serial", "auto")
@@ -92,6 +94,10 @@ class EvalConfig:
             enough for a 95% interval of at most 5 points each side).
         min_accuracy: With ``tasks``, the uncompressed accuracy a cell
             needs for the edits to run on it.
+        compare: With ``tasks``, other implementations to run beside the
+            edits: ``("kvpress",)`` runs NVIDIA kvpress's counterpart of
+            each edit that has one (``lmcache_mp.eval._kvpress``) on the
+            same model, prompts and keeps, and its uncompressed model.
 
     Raises:
         ValueError: If an edit is unknown or named twice, a keep is not in
@@ -121,6 +127,7 @@ class EvalConfig:
     lengths: tuple[int, ...] = (1024,)
     samples: int | None = None
     min_accuracy: float = 0.8
+    compare: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "edits", tuple(self.edits))
@@ -210,6 +217,18 @@ class EvalConfig:
         if not 0.0 <= self.min_accuracy <= 1.0:
             raise ValueError(
                 f"EvalConfig.min_accuracy must be in [0, 1], got {self.min_accuracy!r}"
+            )
+        object.__setattr__(self, "compare", tuple(self.compare))
+        for name in self.compare:
+            if name not in COMPARE:
+                raise ValueError(
+                    f"EvalConfig.compare: unknown implementation {name!r}; "
+                    f"choose from {', '.join(COMPARE)}"
+                )
+        if self.compare and (not self.tasks or self.engine == "toy"):
+            raise ValueError(
+                "EvalConfig.compare runs on the tasks (give tasks) with a "
+                "trained model (not the toy engine)"
             )
         if self.tasks and (self.generate is not None or self.server is not None):
             raise ValueError(

@@ -43,6 +43,7 @@ from lmcache_mp.eval._generate import (
     teacher_forced,
 )
 from lmcache_mp.eval._intervals import bootstrap
+from lmcache_mp.eval._kvpress import PRESSES, kvpress_answers, make_press
 from lmcache_mp.eval._ruler import ANSWER_TOKENS, TaskRow, TasksResult
 from lmcache_mp.eval._table import EvalResult, EvalRow
 from lmcache_mp.eval._tasks import Task, make_tasks
@@ -312,7 +313,7 @@ class _Eval:
         edit at each keep on the cells the model solves; the scored rows,
         the dropped cells' rows, and each cell's mean prompt tokens."""
         cfg = self.config
-        cells: list[tuple[TaskRow, list[Task], list[list[int]]]] = []
+        cells: list[tuple[TaskRow, TaskRow, list[Task], list[list[int]]]] = []
         rows, dropped, tokens = [], [], {}
         for name in cfg.tasks:
             for length in cfg.lengths:
@@ -329,12 +330,18 @@ class _Eval:
                     dropped.append(row)
                     continue
                 rows.append(row)
-                cells.append((row, tasks, prompts))
+                # kvpress's own uncompressed row: its edits' change is
+                # measured against it.
+                kv_base = row
+                if cfg.compare:
+                    kv_base = self._kvpress(row, tasks, prompts, None, None)
+                    rows.append(kv_base)
+                cells.append((row, kv_base, tasks, prompts))
         for edit_name in cfg.edits:
             kinds = len(self.contexts) if edit_name in KIND_EDITS else 1
             for keep in cfg.keeps:
                 edit = self._edit(edit_name, {"keep": keep})
-                for base, tasks, prompts in cells:
+                for base, kv_base, tasks, prompts in cells:
                     label = f"{edit_name} keep {keep:g} on {base.task}@{base.length}"
                     with ProgressLine(f"[eval] {label}"):
                         salt = f"{edit_name}@{keep}/{base.task}@{base.length}"
@@ -361,7 +368,46 @@ class _Eval:
                             modify_s,
                         )
                     )
+                    if cfg.compare and edit_name in PRESSES:
+                        rows.append(
+                            self._kvpress(kv_base, tasks, prompts, edit_name, keep)
+                        )
         return rows, dropped, tokens
+
+    def _kvpress(
+        self,
+        base: TaskRow,
+        tasks: list[Task],
+        prompts: list[list[int]],
+        edit: str | None,
+        keep: float | None,
+    ) -> TaskRow:
+        """kvpress's counterpart of ``edit`` at ``keep`` on a cell (``None``:
+        its uncompressed model); its row, ``change`` against ``base``."""
+        cfg = self.config
+        press = None if edit is None or keep is None else make_press(edit, keep)
+        label = f"kvpress {'none' if press is None else type(press).__name__}"
+        with ProgressLine(f"[eval] {label} on {base.task}@{base.length}"):
+            run = kvpress_answers(
+                self.model.engine,
+                prompts,
+                press,
+                ANSWER_TOKENS[base.task],
+                cfg.chunk_size,
+            )
+        scores = [t.score(a) for t, a in zip(tasks, run.answers, strict=True)]
+        return TaskRow(
+            base.task,
+            base.length,
+            edit or "none",
+            keep,
+            scores,
+            bootstrap(scores),
+            None if edit is None else bootstrap(scores, base.scores),
+            run.kept,
+            run.prefill_s,
+            "kvpress" if run.press is None else f"kvpress {run.press}",
+        )
 
     def _answers(self, ids: list[str], tasks: list[Task]) -> list[float]:
         """Decode each stream's greedy answer; each task's score of it."""

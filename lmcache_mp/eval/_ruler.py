@@ -54,7 +54,11 @@ class TaskRow:
             uncompressed model on the same samples, with its paired
             interval.
         kept: Mean fraction of each prompt's tokens kept.
-        modify_s: Modify wall time of the cell's streams, in seconds.
+        modify_s: Modify wall time of the cell's streams, in seconds; for
+            kvpress, its contexts' prefills with the press inside them.
+        by: ``"lmcache_mp"``, or ``"kvpress"`` and the press's class name
+            for a row of ``compare`` (its ``edit`` the lmcache_mp edit it
+            is set beside).
     """
 
     task: str
@@ -66,6 +70,7 @@ class TaskRow:
     change: Interval | None = None
     kept: float = 1.0
     modify_s: float | None = None
+    by: str = "lmcache_mp"
 
     def to_dict(self) -> dict[str, Any]:
         """The row, JSON-ready (the per-sample scores included)."""
@@ -104,7 +109,8 @@ class TasksResult:
             mean.
         """
         cfg = self.config
-        headers = ["task", "length", "edit", "keep", "kept", "accuracy [95% CI]"]
+        headers = ["task", "length", "edit", "keep", "by", "kept"]
+        headers += ["accuracy [95% CI]"]
         headers += ["change vs none [95% CI]", "n", f"modify {cfg.executor} (s)"]
         table = [
             [
@@ -112,6 +118,7 @@ class TasksResult:
                 f"{self.tokens[f'{r.task}@{r.length}']:.0f}",
                 r.edit,
                 "-" if r.keep is None else f"{r.keep:g}",
+                r.by,
                 f"{r.kept:.2f}",
                 str(r.accuracy),
                 "-"
@@ -134,6 +141,13 @@ class TasksResult:
             "change: against the uncompressed model on the same samples "
             "(paired interval); length: mean prompt tokens"
         )
+        if cfg.compare:
+            note += (
+                "; kvpress rows: its press in the context's prefill (the "
+                "prompt's chunk-aligned prefix, as the edits are given), "
+                "original positions, their time that prefill's; change "
+                "against kvpress's own uncompressed row"
+            )
         dropped = [
             f"not scored: {r.task} at {r.length} tokens, where the uncompressed "
             f"model's accuracy is {r.accuracy} (below {cfg.min_accuracy:g})"

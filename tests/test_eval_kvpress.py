@@ -1,0 +1,134 @@
+"""``lmcache-mp eval --tasks ... --compare kvpress``: NVIDIA kvpress's
+presses on the same model, prompts and keeps, set beside the matching
+lmcache_mp edits."""
+
+from __future__ import annotations
+
+import pytest
+from kvpress import KnormPress, RandomPress, SnapKVPress
+from kvpress.attention_patch import patch_attention_functions
+
+from lmcache_mp.__main__ import build_parser
+from lmcache_mp.engine._hf_attention import register
+from lmcache_mp.eval import EvalConfig, TasksResult, evaluate
+from lmcache_mp.eval._cli import eval_config_from_args
+from lmcache_mp.eval._kvpress import PRESSES, context_length, make_press
+
+KEEP = 0.5
+
+
+@pytest.fixture(scope="module")
+def compared() -> TasksResult:
+    """One task at one length, knorm and snapkv at half the prompt, with
+    kvpress's KnormPress and SnapKVPress beside them, on SmolLM2. kvpress
+    wraps every attention function registered when it patches them, as it
+    does when the CLI imports it after the model is loaded."""
+    register()
+    patch_attention_functions()
+    result = evaluate(
+        EvalConfig(
+            edits=("knorm", "snapkv"),
+            keeps=(KEEP,),
+            engine="smollm2-135m",
+            tasks=("niah_single",),
+            lengths=(256,),
+            samples=6,
+            min_accuracy=0.0,
+            compare=("kvpress",),
+            workers=2,
+        )
+    )
+    assert isinstance(result, TasksResult)
+    return result
+
+
+def test_kvpress_uncompressed_answers_equal_lmcache_mps(compared: TasksResult) -> None:
+    """On the same prompts, kvpress's uncompressed model (the context's
+    prefill, then the rest of the prompt at its positions) answers as the
+    eval's own uncompressed streams do, sample for sample."""
+    none = [r for r in compared.rows if r.edit == "none"]
+    assert [r.by for r in none] == ["lmcache_mp", "kvpress"]
+    assert none[1].scores == none[0].scores
+    assert none[1].kept == 1.0
+
+
+def test_each_press_is_set_beside_its_edit(compared: TasksResult) -> None:
+    """Rows come in order: the uncompressed pair, then each edit followed
+    by its kvpress counterpart, with the press named."""
+    assert [(r.edit, r.by) for r in compared.rows] == [
+        ("none", "lmcache_mp"),
+        ("none", "kvpress"),
+        ("knorm", "lmcache_mp"),
+        ("knorm", "kvpress KnormPress"),
+        ("snapkv", "lmcache_mp"),
+        ("snapkv", "kvpress SnapKVPress"),
+    ]
+    text = compared.format()
+    assert "kvpress SnapKVPress" in text
+    assert "kvpress rows: its press in the context's prefill" in text
+
+
+def test_a_press_keeps_what_its_edit_keeps(compared: TasksResult) -> None:
+    """At the same keep, a press leaves about the share of the prompt its
+    edit leaves (the same context, one subset per head or per stream), and
+    its change is paired with kvpress's own uncompressed scores."""
+    rows = {(r.edit, r.by.split()[0]): r for r in compared.rows}
+    for edit in ("knorm", "snapkv"):
+        ours, theirs = rows[edit, "lmcache_mp"], rows[edit, "kvpress"]
+        assert theirs.kept < 0.75
+        assert theirs.kept == pytest.approx(ours.kept, abs=0.05)
+        assert theirs.change is not None
+        assert theirs.accuracy.n == ours.accuracy.n == 6
+        assert theirs.modify_s is not None and theirs.modify_s > 0
+
+
+def test_presses_are_built_from_keep() -> None:
+    """A press drops ``1 - keep`` of the context; RandomPress takes the
+    seed; every press named has an lmcache_mp edit beside it."""
+    knorm = make_press("knorm", 0.25)
+    assert isinstance(knorm, KnormPress)
+    assert knorm.compression_ratio == pytest.approx(0.75)
+    random_press = make_press("random", 0.5, seed=3)
+    assert isinstance(random_press, RandomPress) and random_press.seed == 3
+    assert isinstance(make_press("snapkv", 0.5), SnapKVPress)
+    assert set(PRESSES) <= set(EvalConfig().edits)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "chunk", "context"),
+    [(100, 16, 96), (96, 16, 95), (17, 16, 16), (10, 16, 1), (2, 16, 1)],
+)
+def test_the_context_is_what_an_edit_is_given(
+    tokens: int, chunk: int, context: int
+) -> None:
+    """The compressed context is the prompt's chunk-aligned prefix, short
+    of the last token, which is always computed; a prompt with no full
+    chunk gives one token (an edit is given none)."""
+    assert context_length(tokens, chunk) == context
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"compare": ("vllm",)}, "unknown implementation 'vllm'"),
+        ({"compare": ("kvpress",)}, "compare runs on the tasks"),
+        (
+            {"compare": ("kvpress",), "tasks": ("vt",), "engine": "toy"},
+            "compare runs on the tasks",
+        ),
+    ],
+)
+def test_bad_compare_options_are_refused(
+    fields: dict[str, object], message: str
+) -> None:
+    """An unknown implementation, compare without tasks or on the toy
+    engine is refused, naming the problem."""
+    with pytest.raises(ValueError, match=message):
+        EvalConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_the_cli_takes_compare() -> None:
+    """``--compare kvpress`` with ``--tasks`` reaches the config."""
+    parser, _ = build_parser()
+    args = parser.parse_args(["eval", "--tasks", "vt", "--compare", "kvpress"])
+    assert eval_config_from_args(args.eval_parser, args).compare == ("kvpress",)
