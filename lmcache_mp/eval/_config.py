@@ -196,16 +196,21 @@ class EvalConfig:
                 "model is scored on prompts only (leave out server)"
             )
 
+    def _names(self, field: str, what: str, known: tuple[str, ...]) -> None:
+        """Make ``field`` a tuple; raise if a name in it is not ``known``."""
+        names = tuple(getattr(self, field))
+        object.__setattr__(self, field, names)
+        for name in names:
+            if name not in known:
+                raise ValueError(
+                    f"EvalConfig.{field}: unknown {what} {name!r}; choose from "
+                    f"{', '.join(known)}"
+                )
+
     def _check_tasks(self) -> None:
         """The task options: known names, positive lengths and counts."""
-        object.__setattr__(self, "tasks", tuple(self.tasks))
+        self._names("tasks", "task", TASKS)
         object.__setattr__(self, "lengths", tuple(self.lengths))
-        for name in self.tasks:
-            if name not in TASKS:
-                raise ValueError(
-                    f"EvalConfig.tasks: unknown task {name!r}; choose from "
-                    f"{', '.join(TASKS)}"
-                )
         if len(set(self.tasks)) != len(self.tasks):
             raise ValueError(f"EvalConfig.tasks names one twice: {self.tasks!r}")
         if not self.lengths:
@@ -218,13 +223,7 @@ class EvalConfig:
             raise ValueError(
                 f"EvalConfig.min_accuracy must be in [0, 1], got {self.min_accuracy!r}"
             )
-        object.__setattr__(self, "compare", tuple(self.compare))
-        for name in self.compare:
-            if name not in COMPARE:
-                raise ValueError(
-                    f"EvalConfig.compare: unknown implementation {name!r}; "
-                    f"choose from {', '.join(COMPARE)}"
-                )
+        self._names("compare", "implementation", COMPARE)
         if self.compare and (not self.tasks or self.engine == "toy"):
             raise ValueError(
                 "EvalConfig.compare runs on the tasks (give tasks) with a "
