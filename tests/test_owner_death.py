@@ -29,7 +29,10 @@ GONE_WITHIN_S = 10.0
 #: it prints ``<moment>`` and waits when it reaches the moment to die at.
 OWNER = textwrap.dedent(
     """
-    import os, sys, time
+    import faulthandler, os, signal, sys, time
+    # SIGUSR1 dumps every thread's stack: a test whose owner does not exit
+    # shows where it is.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     import numpy as np
     import lmcache_mp
     from lmcache_mp.batch import LMCacheBatchedStream
@@ -150,12 +153,14 @@ def test_a_dead_owner_leaves_nothing(tmp_path: Path, moment: str, how: str) -> N
     script = tmp_path / "owner.py"
     script.write_text(OWNER)
     before = _leftovers()
-    proc = subprocess.Popen(
-        [sys.executable, str(script), moment, how],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    errors = tmp_path / "owner.err"
+    with errors.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), moment, how],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
     try:
         url = _read_line(proc)
         assert url.startswith("shm:///tmp-")
@@ -163,7 +168,15 @@ def test_a_dead_owner_leaves_nothing(tmp_path: Path, moment: str, how: str) -> N
         workers = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         if how.startswith("SIG"):
             proc.send_signal(getattr(signal, how))
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            pytest.fail(
+                f"the owner did not exit within 60 s ({how} at {moment}); its "
+                f"stderr and stacks:\n{errors.read_text()}"
+            )
     finally:
         if proc.poll() is None:
             proc.kill()
