@@ -384,16 +384,15 @@ class _Eval:
     ) -> TaskRow:
         """kvpress's counterpart of ``edit`` at ``keep`` on a cell (``None``:
         its uncompressed model); its row, ``change`` against ``base``."""
-        cfg = self.config
         press = None if edit is None or keep is None else make_press(edit, keep)
-        label = f"kvpress {'none' if press is None else type(press).__name__}"
-        with ProgressLine(f"[eval] {label} on {base.task}@{base.length}"):
+        by = "kvpress" if edit is None else f"kvpress {PRESSES[edit]}"
+        with ProgressLine(f"[eval] {by} on {base.task}@{base.length}"):
             run = kvpress_answers(
                 self.model.engine,
                 prompts,
                 press,
                 ANSWER_TOKENS[base.task],
-                cfg.chunk_size,
+                self.config.chunk_size,
             )
         scores = [t.score(a) for t, a in zip(tasks, run.answers, strict=True)]
         return TaskRow(
@@ -406,7 +405,7 @@ class _Eval:
             None if edit is None else bootstrap(scores, base.scores),
             run.kept,
             run.prefill_s,
-            "kvpress" if run.press is None else f"kvpress {run.press}",
+            by,
         )
 
     def _answers(self, ids: list[str], tasks: list[Task]) -> list[float]:

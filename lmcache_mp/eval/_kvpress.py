@@ -48,7 +48,6 @@ class KvpressRun:
     """One press (or none) over a cell's prompts.
 
     Args:
-        press: The press's class name (``None``: uncompressed).
         answers: Each prompt's greedy answer, decoded.
         kept: Mean fraction of each prompt's tokens left in the cache
             after the context's prefill (the rest of the prompt counted as
@@ -57,7 +56,6 @@ class KvpressRun:
             compression inside them.
     """
 
-    press: str | None
     answers: list[str]
     kept: float
     prefill_s: float
@@ -129,9 +127,8 @@ def kvpress_answers(
     from transformers import DynamicCache
 
     answers, kept, prefill_s = [], [], 0.0
-    name = None if press is None else type(press).__name__
     model = engine.model
-    with torch.inference_mode(), _attention(model, name in _EAGER):
+    with torch.inference_mode(), _attention(model, type(press).__name__ in _EAGER):
         for prompt in prompts:
             context = context_length(len(prompt), chunk_size)
             cache = DynamicCache(config=model.config)
@@ -150,7 +147,7 @@ def kvpress_answers(
                 tokens = [int(out.logits[0, -1].argmax())]
                 answer.append(tokens[0])
             answers.append(engine.decode(answer))
-    return KvpressRun(name, answers, sum(kept) / len(kept), prefill_s)
+    return KvpressRun(answers, sum(kept) / len(kept), prefill_s)
 
 
 @contextlib.contextmanager
