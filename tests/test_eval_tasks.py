@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from lmcache_mp.__main__ import build_parser
+from lmcache_mp._harness.prompts import DOCUMENTS, FILLER
 from lmcache_mp.eval import EvalConfig, TasksResult, evaluate
 from lmcache_mp.eval._cli import eval_config_from_args
 from lmcache_mp.eval._intervals import bootstrap, samples_for
@@ -27,6 +28,7 @@ def words(text: str) -> list[int]:
 
 NUMBER = Task("niah_single", "", ("4817263",), 0)
 WORDS = Task("vt", "", ("QWERT", "ASDFG"), 0)
+UUID = Task("niah_single_3", "", ("0a6e25c8-2d41-4f3b-9c6a-7e5d3b1f0c24",), 0)
 
 
 @pytest.mark.parametrize(
@@ -43,6 +45,10 @@ WORDS = Task("vt", "", ("QWERT", "ASDFG"), 0)
         (WORDS, " QWERT only", 0.5),
         (WORDS, " QWERTY, ASDFGH", 0.0),
         (WORDS, "", 0.0),
+        (UUID, ": 0A6E25C8-2d41-4f3b-9c6a-7e5d3b1f0c24.", 1.0),
+        (UUID, "".join([" 0a", "6e25", "c8-", "2d41-4f3b-9c", "6a-7e5d3b1f0c24"]), 1.0),
+        (UUID, " 0a6e25c8-2d41-4f3b-9c6a-7e5d3b1f0c25", 0.0),
+        (UUID, " 0a6e25c8-2d41-4f3b-9c6a", 0.0),
     ],
     ids=[
         "number-right",
@@ -56,6 +62,10 @@ WORDS = Task("vt", "", ("QWERT", "ASDFG"), 0)
         "words-half",
         "words-inside-longer-ones",
         "empty",
+        "uuid-any-case",
+        "uuid-split-across-tokens",
+        "uuid-last-digit-wrong",
+        "uuid-cut-short",
     ],
 )
 def test_the_checker_scores_the_share_of_answers_stated(
@@ -90,16 +100,40 @@ def test_a_prompt_fills_its_length_without_passing_it(name: str, length: int) ->
         assert task.tokens > 0.9 * length
 
 
-@pytest.mark.parametrize("name", ["niah_single", "niah_multikey", "niah_multivalue"])
+@pytest.mark.parametrize("name", [t for t in TASKS if t.startswith("niah")])
 def test_the_needles_hold_the_answers(name: str) -> None:
     """Every expected number is in the haystack as its key's needle, the
-    question names that key, and the distractors' numbers are not answers."""
+    question names the keys asked (every key for the multi-query task),
+    and the distractors' numbers are not answers."""
     task = make_tasks(name, words, 500, 1, seed=2)[0]
-    key = re.findall(r"special magic numbers? for (\S+) mentioned", task.text)[-1]
-    found = re.findall(r"numbers for (\S+) is: (\d+)\.", task.text)
-    assert len(found) == (1 if name == "niah_single" else 4)
-    assert {v for k, v in found if k == key} == set(task.answers)
+    named = re.findall(r"special magic \w+ for (.+?) mentioned", task.text)[-1]
+    asked = set(re.split(r", | and ", named))
+    found = re.findall(r"(?:numbers|uuids) for (\S+) is: ([\w-]+)\.", task.text)
+    assert len(found) == (1 if name.startswith("niah_single") else 4)
+    assert len(asked) == (4 if name == "niah_multiquery" else 1)
+    assert {v for k, v in found if k in asked} == set(task.answers)
     assert task.score(" " + " ".join(task.answers)) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("name", "prose", "value"),
+    [
+        ("niah_single", False, r"\d{7}"),
+        ("niah_single_2", True, r"\d{7}"),
+        ("niah_single_3", True, r"[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}"),
+    ],
+)
+def test_single_needle_tasks_differ_in_haystack_and_value(
+    name: str, prose: bool, value: str
+) -> None:
+    """RULER's three single-needle forms: a 7-digit number in repeated
+    filler, the same in prose (the documents' sentences), and a UUID in
+    prose."""
+    task = make_tasks(name, words, 600, 1, seed=1)[0]
+    assert re.fullmatch(value, task.answers[0])
+    assert (FILLER in task.text) is not prose
+    first_sentence = DOCUMENTS[0].split(". ")[0]
+    assert (first_sentence in task.text) is prose
 
 
 def test_variable_tracking_chains_its_answers_in_order() -> None:

@@ -27,11 +27,15 @@ __all__ = ["ANSWER_TOKENS", "TASKS_SCHEMA", "TaskRow", "TasksResult"]
 #: The ``schema`` of :meth:`TasksResult.to_dict`.
 TASKS_SCHEMA = "lmcache-mp-eval-tasks/1"
 #: Tokens decoded as each task's answer: enough for what it asks (one
-#: 7-digit number; four; five variable names; ten or three words).
+#: 7-digit number or UUID; four, of one key or of four; five variable names;
+#: ten or three words).
 ANSWER_TOKENS = {
     "niah_single": 12,
+    "niah_single_2": 12,
+    "niah_single_3": 40,
     "niah_multikey": 12,
     "niah_multivalue": 48,
+    "niah_multiquery": 64,
     "vt": 32,
     "cwe": 64,
     "fwe": 24,

@@ -5,10 +5,15 @@ Long-Context Language Models?"), the benchmark kvpress ranks its presses
 on, is synthetic, so its task families can be made offline at any length:
 
 - ``niah_single``: one needle (a key and its 7-digit number) in a haystack
-  of filler; the answer is the number.
+  of filler; the answer is the number (RULER's ``niah_single_1``).
+- ``niah_single_2``: the same needle in a haystack of prose (the eval's
+  documents, sentence by sentence, where RULER takes Paul Graham's essays).
+- ``niah_single_3``: a needle whose value is a UUID, in prose.
 - ``niah_multikey``: four needles of different keys; the question names
   one of them.
 - ``niah_multivalue``: four numbers for one key; the answer is all four.
+- ``niah_multiquery``: four needles of different keys; the question names
+  all four, and the answer is their four numbers.
 - ``vt``: variable tracking: a chain of assignments ``VAR A = 12345``,
   ``VAR B = VAR A``, ... spread over the filler; the answer is every
   variable that holds the number.
@@ -28,15 +33,26 @@ from __future__ import annotations
 import itertools
 import random
 import re
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lmcache_mp._harness.prompts import FILLER
+from lmcache_mp._harness.prompts import DOCUMENTS, FILLER
 
 __all__ = ["TASKS", "Task", "make_tasks"]
 
 #: The task families, in the order the eval reports them.
-TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe", "fwe")
+TASKS = (
+    "niah_single",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "cwe",
+    "fwe",
+)
 
 #: Needles of the multi-key and multi-value tasks.
 _NEEDLES = 4
@@ -50,6 +66,9 @@ _COMMON, _COMMON_TIMES, _RARE_TIMES = 10, 10, 2
 _FREQUENT = 3
 #: Syllables of the made-up words (keys, list words, coded words).
 _SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
+
+#: The prose haystack's pieces: the documents' sentences, in order.
+_SENTENCES = tuple(s + " " for d in DOCUMENTS for s in re.split(r"(?<=[.!?]) ", d) if s)
 
 Encode = Callable[[str], list[int]]
 
@@ -84,7 +103,12 @@ class Task:
         Returns:
             A fraction in ``[0, 1]``: 1 when every answer is stated.
         """
-        stated = {w.lower() for w in re.findall(r"[A-Za-z0-9]+", answer)}
+        # Words, and hyphen-joined runs of them (a UUID whole).
+        stated = {
+            w.lower()
+            for pattern in (r"[A-Za-z0-9]+", r"[A-Za-z0-9]+(?:-[A-Za-z0-9]+)+")
+            for w in re.findall(pattern, answer)
+        }
         found = sum(a.lower() in stated for a in self.answers)
         return found / len(self.answers)
 
@@ -101,9 +125,20 @@ def _variable(rng: random.Random) -> str:
     return "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
 
 
-def _haystack(pieces: int, needles: list[str], depths: list[float]) -> str:
-    """``pieces`` filler lines with each needle at its depth (a fraction)."""
-    lines = [FILLER] * pieces
+def _uuid(rng: random.Random) -> str:
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+def _haystack(
+    pieces: int, needles: list[str], depths: list[float], prose: bool = False
+) -> str:
+    """``pieces`` filler lines (or sentences of prose, round and round) with
+    each needle at its depth (a fraction)."""
+    lines = (
+        [_SENTENCES[i % len(_SENTENCES)] for i in range(pieces)]
+        if prose
+        else [FILLER] * pieces
+    )
     for needle, depth in sorted(zip(needles, depths, strict=True), key=lambda x: -x[1]):
         lines.insert(round(depth * pieces), needle + " ")
     return "".join(lines)
@@ -112,38 +147,45 @@ def _haystack(pieces: int, needles: list[str], depths: list[float]) -> str:
 def _niah(
     name: str, rng: random.Random
 ) -> Callable[[int], tuple[str, tuple[str, ...]]]:
-    """A needle task: the text for ``n`` filler lines, and its answers."""
+    """A needle task: the text for ``n`` pieces of haystack, and its answers."""
     keys = [f"{_word(rng, 2)}-{_word(rng, 2)}" for _ in range(_NEEDLES)]
-    values = [_number(rng) for _ in range(_NEEDLES)]
+    kind = "uuid" if name == "niah_single_3" else "number"
+    values = [(_uuid if kind == "uuid" else _number)(rng) for _ in range(_NEEDLES)]
     depths = [rng.random() for _ in range(_NEEDLES)]
-    if name == "niah_single":
+    if name.startswith("niah_single"):
         keys, values, depths = keys[:1], values[:1], depths[:1]
     if name == "niah_multivalue":
         keys = [keys[0]] * _NEEDLES
-    asked = keys[0]
+    # RULER's multi-query template names the keys "A, B, C and D".
+    asked = (
+        ", ".join(keys[:-1]) + " and " + keys[-1]
+        if name == "niah_multiquery"
+        else keys[0]
+    )
     needles = [
-        f"One of the special magic numbers for {k} is: {v}."
+        f"One of the special magic {kind}s for {k} is: {v}."
         for k, v in zip(keys, values, strict=True)
     ]
-    plural = name == "niah_multivalue"
+    plural = name in ("niah_multivalue", "niah_multiquery")
     answers = tuple(values) if plural else (values[0],)
     intro = (
-        "Some special magic numbers are hidden within the following text. "
-        "Make sure to memorize them. I will quiz you about the numbers "
+        f"Some special magic {kind}s are hidden within the following text. "
+        f"Make sure to memorize them. I will quiz you about the {kind}s "
         "afterwards.\n"
     )
     question = (
-        f"\nWhat are all the special magic numbers for {asked} mentioned in "
-        f"the provided text? The special magic numbers for {asked} mentioned "
+        f"\nWhat are all the special magic {kind}s for {asked} mentioned in "
+        f"the provided text? The special magic {kind}s for {asked} mentioned "
         "in the provided text are"
         if plural
-        else f"\nWhat is the special magic number for {asked} mentioned in the "
-        f"provided text? The special magic number for {asked} mentioned in the "
+        else f"\nWhat is the special magic {kind} for {asked} mentioned in the "
+        f"provided text? The special magic {kind} for {asked} mentioned in the "
         "provided text is"
     )
+    prose = name in ("niah_single_2", "niah_single_3")
 
     def build(n: int) -> tuple[str, tuple[str, ...]]:
-        return intro + _haystack(n, needles, depths) + question, answers
+        return intro + _haystack(n, needles, depths, prose) + question, answers
 
     return build
 
