@@ -316,6 +316,20 @@ def test_cells_the_model_cannot_do_are_dropped_and_named(
     assert "not scored: vt at 160 tokens" in result.format()
 
 
+def test_the_table_says_where_the_time_went(scored: TasksResult) -> None:
+    """Every row times its answers, every edit its modify; the last line
+    splits the eval's wall time into them and the rest, which sum to it."""
+    assert all(r.answer_s > 0 for r in scored.rows)
+    assert all(r.modify_s is not None for r in scored.rows if r.edit != "none")
+    line = scored.format().splitlines()[-1]
+    total, *parts = (float(x) for x in re.findall(r"(-?\d+) s\b", line))
+    assert line.startswith("time: ") and len(parts) == 4
+    assert abs(sum(parts) - total) <= len(parts)
+    assert parts[-1] >= 0
+    answers = sum(r.answer_s for r in scored.rows if r.edit != "none")
+    assert f"their answers {answers:.0f} s" in line
+
+
 def test_the_json_keeps_every_samples_score(scored: TasksResult) -> None:
     """The JSON has its schema, and each row its per-sample scores and
     intervals, so that two runs can be compared sample by sample."""

@@ -323,9 +323,17 @@ class _Eval:
                     )
                     prompts = [self.model.encode(t.text) for t in tasks]
                     ids = self._add(self.batch, prompts, "", len(self.contexts))
-                    scores = self._answers(ids, tasks)
+                    scores, answer_s = self._answers(ids, tasks)
                 tokens[f"{name}@{length}"] = float(np.mean([len(p) for p in prompts]))
-                row = TaskRow(name, length, "none", None, scores, bootstrap(scores))
+                row = TaskRow(
+                    name,
+                    length,
+                    "none",
+                    None,
+                    scores,
+                    bootstrap(scores),
+                    answer_s=answer_s,
+                )
                 if row.accuracy.mean < cfg.min_accuracy:
                     dropped.append(row)
                     continue
@@ -353,7 +361,7 @@ class _Eval:
                                 for sid, p in zip(ids, prompts, strict=True)
                             ]
                         )
-                        scores = self._answers(ids, tasks)
+                        scores, answer_s = self._answers(ids, tasks)
                         self._drop(self.batch, ids)
                     rows.append(
                         TaskRow(
@@ -366,6 +374,7 @@ class _Eval:
                             bootstrap(scores, base.scores),
                             float(kept),
                             modify_s,
+                            answer_s=answer_s,
                         )
                     )
                     if cfg.compare and edit_name in PRESSES:
@@ -406,17 +415,22 @@ class _Eval:
             run.kept,
             run.prefill_s,
             by,
+            run.answer_s,
         )
 
-    def _answers(self, ids: list[str], tasks: list[Task]) -> list[float]:
-        """Decode each stream's greedy answer; each task's score of it."""
+    def _answers(self, ids: list[str], tasks: list[Task]) -> tuple[list[float], float]:
+        """Decode each stream's greedy answer; each task's score of it, and
+        the decode phase's wall time in seconds."""
+        begin = time.perf_counter()
         self.batch.decode(
             {**_GREEDY, "max_tokens": ANSWER_TOKENS[tasks[0].name]}, stream_ids=ids
         )
-        return [
+        answer_s = time.perf_counter() - begin
+        scores = [
             task.score(self.model.decode(self.streams[sid].output_tokens))
             for sid, task in zip(ids, tasks, strict=True)
         ]
+        return scores, answer_s
 
     def _edit(self, name: str, param: dict[str, Any]) -> Edit:
         """The edit ``name`` sized by ``param``, with the eval's options."""

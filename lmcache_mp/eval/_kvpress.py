@@ -54,11 +54,13 @@ class KvpressRun:
             kept, as a stream's suffix is).
         prefill_s: Wall time of the contexts' prefills, the press's
             compression inside them.
+        answer_s: Wall time of the rest: each prompt's tail and answer.
     """
 
     answers: list[str]
     kept: float
     prefill_s: float
+    answer_s: float
 
 
 def make_press(edit: str, keep: float, seed: int = 0) -> Any:
@@ -126,7 +128,7 @@ def kvpress_answers(
     import torch
     from transformers import DynamicCache
 
-    answers, kept, prefill_s = [], [], 0.0
+    answers, kept, prefill_s, answer_s = [], [], 0.0, 0.0
     model = engine.model
     with torch.inference_mode(), _attention(model, type(press).__name__ in _EAGER):
         for prompt in prompts:
@@ -135,7 +137,8 @@ def kvpress_answers(
             begin = time.perf_counter()
             with contextlib.nullcontext() if press is None else press(model):
                 engine.forward(prompt[:context], 0, cache, 1)
-            prefill_s += time.perf_counter() - begin
+            answered = time.perf_counter()
+            prefill_s += answered - begin
             kept.append((cache.get_seq_length() + len(prompt) - context) / len(prompt))
             # The rest of the prompt, then the answer, at the positions they
             # have in the uncompressed prompt (kvpress's generate_answer).
@@ -147,7 +150,8 @@ def kvpress_answers(
                 tokens = [int(out.logits[0, -1].argmax())]
                 answer.append(tokens[0])
             answers.append(engine.decode(answer))
-    return KvpressRun(answers, sum(kept) / len(kept), prefill_s)
+            answer_s += time.perf_counter() - answered
+    return KvpressRun(answers, sum(kept) / len(kept), prefill_s, answer_s)
 
 
 @contextlib.contextmanager

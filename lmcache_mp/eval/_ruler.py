@@ -63,6 +63,9 @@ class TaskRow:
         by: ``"lmcache_mp"``, or ``"kvpress"`` and the press's class name
             for a row of ``compare`` (its ``edit`` the lmcache_mp edit it
             is set beside).
+        answer_s: Wall time of answering the cell's prompts, in seconds:
+            the decode phase (for the uncompressed row, the prompts'
+            prefill with it); for kvpress, each prompt's tail and answer.
     """
 
     task: str
@@ -75,6 +78,7 @@ class TaskRow:
     kept: float = 1.0
     modify_s: float | None = None
     by: str = "lmcache_mp"
+    answer_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """The row, JSON-ready (the per-sample scores included)."""
@@ -158,7 +162,28 @@ class TasksResult:
             for r in self.dropped
         ]
         text = page(title, headers, table, note)
-        return "\n".join([text, *dropped])
+        return "\n".join([text, *dropped, self._time_spent()])
+
+    def _time_spent(self) -> str:
+        """Where the wall time went, summed over the rows."""
+        rows = [*self.rows, *self.dropped]
+        plain = [r for r in rows if r.by == "lmcache_mp"]
+        pressed = [r for r in rows if r.by != "lmcache_mp"]
+        parts = {
+            "the uncompressed prefill and answers": sum(
+                r.answer_s for r in plain if r.edit == "none"
+            ),
+            "the edits' modify": sum(r.modify_s or 0.0 for r in plain),
+            "their answers": sum(r.answer_s for r in plain if r.edit != "none"),
+        }
+        if pressed:
+            parts["kvpress's prefills"] = sum(r.modify_s or 0.0 for r in pressed)
+            parts["its answers"] = sum(r.answer_s for r in pressed)
+        parts["the rest (model load, KV copies)"] = self.duration_s - sum(
+            parts.values()
+        )
+        spent = "; ".join(f"{what} {s:.0f} s" for what, s in parts.items())
+        return f"time: {self.duration_s:.0f} s in all: {spent}"
 
     def to_dict(self) -> dict[str, Any]:
         """The result, JSON-ready::
