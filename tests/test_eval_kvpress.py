@@ -1,4 +1,4 @@
-"""``lmcache-mp eval --tasks ... --compare kvpress``: NVIDIA kvpress's
+"""``lmcache-mp eval --compare kvpress``: NVIDIA kvpress's
 presses on the same model, prompts and keeps, set beside the matching
 lmcache_mp edits."""
 
@@ -10,7 +10,7 @@ from kvpress.attention_patch import patch_attention_functions
 
 from lmcache_mp.__main__ import build_parser
 from lmcache_mp.engine._hf_attention import register
-from lmcache_mp.eval import EvalConfig, TasksResult, evaluate
+from lmcache_mp.eval import EvalConfig, EvalResult, TasksResult, evaluate
 from lmcache_mp.eval._cli import eval_config_from_args
 from lmcache_mp.eval._kvpress import PRESSES, context_length, make_press
 
@@ -82,6 +82,57 @@ def test_a_press_keeps_what_its_edit_keeps(compared: TasksResult) -> None:
         assert theirs.modify_s is not None and theirs.modify_s > 0
 
 
+@pytest.fixture(scope="module")
+def documents() -> EvalResult:
+    """The document eval (teacher-forced agreement and KL, passkeys) with
+    knorm at half the prompt and KnormPress beside it, on SmolLM2."""
+    register()
+    patch_attention_functions()
+    result = evaluate(
+        EvalConfig(
+            edits=("knorm",),
+            keeps=(KEEP,),
+            engine="smollm2-135m",
+            prompts=2,
+            continuation=8,
+            compare=("kvpress",),
+            workers=2,
+        )
+    )
+    assert isinstance(result, EvalResult)
+    return result
+
+
+def test_kvpress_uncompressed_scores_equal_the_reference(documents: EvalResult) -> None:
+    """Teacher-forced after kvpress's uncompressed prefill, the reference
+    continuation scores as after the eval's own cache: the same top-1
+    agreement, a KL of zero up to rounding, the same passkey answers."""
+    ours, theirs = documents.rows[:2]
+    assert (ours.by, theirs.by) == ("lmcache_mp", "kvpress")
+    assert theirs.agreement == ours.agreement
+    assert theirs.kl == pytest.approx(0.0, abs=1e-4)
+    assert theirs.passkey == ours.passkey
+    assert theirs.kept == 1.0
+
+
+def test_a_press_is_scored_beside_its_edit_on_the_documents(
+    documents: EvalResult,
+) -> None:
+    """The press's row follows its edit's, keeps about as much, is timed,
+    and its compression shows in the KL; the table names it."""
+    assert [(r.edit, r.by) for r in documents.rows] == [
+        ("none", "lmcache_mp"),
+        ("none", "kvpress"),
+        ("knorm", "lmcache_mp"),
+        ("knorm", "kvpress KnormPress"),
+    ]
+    ours, theirs = documents.rows[2:]
+    assert theirs.kept == pytest.approx(ours.kept, abs=0.05) and theirs.kept < 0.75
+    assert theirs.kl > 1e-3
+    assert theirs.modify_s is not None and theirs.modify_s > 0
+    assert "kvpress KnormPress" in documents.format()
+
+
 def test_presses_are_built_from_keep() -> None:
     """A press drops ``1 - keep`` of the context; RandomPress takes the
     seed; every press named has an lmcache_mp edit beside it."""
@@ -111,18 +162,25 @@ def test_the_context_is_what_an_edit_is_given(
     ("fields", "message"),
     [
         ({"compare": ("vllm",)}, "unknown implementation 'vllm'"),
-        ({"compare": ("kvpress",)}, "compare runs on the tasks"),
         (
             {"compare": ("kvpress",), "tasks": ("vt",), "engine": "toy"},
-            "compare runs on the tasks",
+            "compare runs on the documents or the tasks with a trained model",
+        ),
+        (
+            {"compare": ("kvpress",), "engine": "toy"},
+            "compare runs on the documents or the tasks with a trained model",
+        ),
+        (
+            {"compare": ("kvpress",), "generate": 64, "every": 32, "budget": 64},
+            "leave out generate and server",
         ),
     ],
 )
 def test_bad_compare_options_are_refused(
     fields: dict[str, object], message: str
 ) -> None:
-    """An unknown implementation, compare without tasks or on the toy
-    engine is refused, naming the problem."""
+    """An unknown implementation, compare on the toy engine or while
+    generating is refused, naming the problem."""
     with pytest.raises(ValueError, match=message):
         EvalConfig(**fields)  # type: ignore[arg-type]
 

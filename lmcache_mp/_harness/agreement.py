@@ -19,6 +19,7 @@ import numpy.typing as npt
 __all__ = [
     "Reference",
     "agreement",
+    "agreement_of",
     "greedy_reference",
     "kl_divergence",
     "top1_agreement",
@@ -115,13 +116,33 @@ def agreement(
         reference's), ``kl`` (mean ``KL(p_ref || p_edit)``, nats), and
         ``positions`` scored.
     """
+    return agreement_of(
+        reference,
+        [
+            engine.score(list(context), tokens, salt)
+            for context, tokens in zip(contexts, reference.tokens, strict=True)
+        ],
+    )
+
+
+def agreement_of(reference: Reference, logprobs: Sequence[_F32]) -> dict[str, float]:
+    """Score log-probabilities of the reference continuations, however
+    they were computed (:func:`agreement`'s result).
+
+    Args:
+        reference: The uncompressed run's continuations.
+        logprobs: Each continuation's ``[N, V]`` log-probabilities, in the
+            reference's order.
+
+    Returns:
+        As :func:`agreement`.
+    """
     hits, kls = [], []
-    for context, tokens, ref in zip(
-        contexts, reference.tokens, reference.logprobs, strict=True
+    for tokens, ref, edited in zip(
+        reference.tokens, reference.logprobs, logprobs, strict=True
     ):
-        logprobs = engine.score(list(context), tokens, salt)
-        hits.append(top1_agreement(logprobs, tokens))
-        kls.append(kl_divergence(ref, logprobs))
+        hits.append(top1_agreement(edited, tokens))
+        kls.append(kl_divergence(ref, edited))
     return {
         "top1": float(np.concatenate(hits).mean()),
         "kl": float(np.concatenate(kls).mean()),

@@ -206,14 +206,14 @@ def add_eval_parser(
         help="with --tasks: the uncompressed accuracy a cell needs for the "
         f"edits to run on it (default: {d.min_accuracy:g})",
     )
-    tasks.add_argument(
+    p.add_argument(
         "--compare",
         type=name_list("implementation", COMPARE),
         default=(),
         metavar="NAMES",
-        help="with --tasks: also run kvpress's counterpart of each edit (and "
-        "its uncompressed model) on the same prompts and keeps (needs "
-        "'compare')",
+        help="also run kvpress's counterpart of each edit (and its "
+        "uncompressed model) on the same documents and passkeys, or tasks, "
+        "and keeps (needs 'compare')",
     )
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument(

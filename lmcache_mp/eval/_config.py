@@ -94,10 +94,11 @@ class EvalConfig:
             enough for a 95% interval of at most 5 points each side).
         min_accuracy: With ``tasks``, the uncompressed accuracy a cell
             needs for the edits to run on it.
-        compare: With ``tasks``, other implementations to run beside the
-            edits: ``("kvpress",)`` runs NVIDIA kvpress's counterpart of
-            each edit that has one (``lmcache_mp.eval._kvpress``) on the
-            same model, prompts and keeps, and its uncompressed model.
+        compare: Other implementations to run beside the edits, on the
+            documents and passkeys or on the tasks: ``("kvpress",)`` runs
+            NVIDIA kvpress's counterpart of each edit that has one
+            (``lmcache_mp.eval._kvpress``) on the same model, prompts and
+            keeps, and its uncompressed model.
 
     Raises:
         ValueError: If an edit is unknown or named twice, a keep is not in
@@ -164,6 +165,7 @@ class EvalConfig:
             check_count("EvalConfig", "workers", self.workers)
         self._check_generate()
         self._check_tasks()
+        self._check_compare()
         if self.server is not None and self.store is None:
             raise ValueError(
                 "EvalConfig.server needs EvalConfig.store: the URL of the "
@@ -223,16 +225,22 @@ class EvalConfig:
             raise ValueError(
                 f"EvalConfig.min_accuracy must be in [0, 1], got {self.min_accuracy!r}"
             )
-        self._names("compare", "implementation", COMPARE)
-        if self.compare and (not self.tasks or self.engine == "toy"):
-            raise ValueError(
-                "EvalConfig.compare runs on the tasks (give tasks) with a "
-                "trained model (not the toy engine)"
-            )
         if self.tasks and (self.generate is not None or self.server is not None):
             raise ValueError(
                 "EvalConfig.tasks runs on the embedded engines and prompts "
                 "only: leave out generate and server"
+            )
+
+    def _check_compare(self) -> None:
+        """The implementations to compare, and that they can run."""
+        self._names("compare", "implementation", COMPARE)
+        if self.compare and (
+            self.generate is not None or self.server is not None or self.engine == "toy"
+        ):
+            raise ValueError(
+                "EvalConfig.compare runs on the documents or the tasks with a "
+                "trained model, in this process: leave out generate and "
+                "server, and give a model (not the toy engine)"
             )
 
     @property

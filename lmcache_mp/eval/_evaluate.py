@@ -21,7 +21,12 @@ from typing import Any
 import numpy as np
 
 from lmcache_mp import request
-from lmcache_mp._harness.agreement import Reference, agreement, top1_agreement
+from lmcache_mp._harness.agreement import (
+    Reference,
+    agreement,
+    agreement_of,
+    top1_agreement,
+)
 from lmcache_mp._harness.progress import ProgressLine
 from lmcache_mp._harness.prompts import (
     Passkey,
@@ -43,7 +48,12 @@ from lmcache_mp.eval._generate import (
     teacher_forced,
 )
 from lmcache_mp.eval._intervals import bootstrap
-from lmcache_mp.eval._kvpress import PRESSES, kvpress_answers, make_press
+from lmcache_mp.eval._kvpress import (
+    PRESSES,
+    kvpress_answers,
+    kvpress_scores,
+    make_press,
+)
 from lmcache_mp.eval._ruler import ANSWER_TOKENS, TaskRow, TasksResult
 from lmcache_mp.eval._table import EvalResult, EvalRow
 from lmcache_mp.eval._tasks import Task, make_tasks
@@ -181,6 +191,33 @@ class _Eval:
             passkey,
             modify_s,
             thread_s,
+        )
+
+    def kvpress(self, name: str | None, keep: float | None) -> EvalRow:
+        """kvpress's counterpart of edit ``name`` at ``keep`` (``None``: its
+        uncompressed model) on the documents and haystacks; its row."""
+        cfg = self.config
+        press = None if name is None or keep is None else make_press(name, keep)
+        engine = self.model.engine
+        scored = kvpress_scores(
+            engine, self.documents, self.reference.tokens, press, cfg.chunk_size
+        )
+        answered = kvpress_answers(
+            engine, self.haystacks, press, cfg.answer_tokens, cfg.chunk_size
+        )
+        agreed = agreement_of(self.reference, scored.logprobs)
+        found = zip(self.passkeys, answered.answers, strict=True)
+        passkey = np.mean([p.found_in(a) for p, a in found])
+        docs, keys = len(self.documents), len(self.haystacks)
+        return EvalRow(
+            name or "none",
+            1.0 if keep is None else keep,
+            (scored.kept * docs + answered.kept * keys) / (docs + keys),
+            agreed["top1"],
+            agreed["kl"],
+            float(passkey),
+            scored.prefill_s + answered.prefill_s,
+            by="kvpress" if name is None else f"kvpress {PRESSES[name]}",
         )
 
     def _context(self, sid: str) -> list[int]:
@@ -544,10 +581,16 @@ def evaluate(
                 )
             with ProgressLine("[eval] uncompressed"):
                 rows = [run.uncompressed()]
+            if config.compare:
+                with ProgressLine("[eval] kvpress uncompressed"):
+                    rows.append(run.kvpress(None, None))
             for name in config.edits:
                 for keep in config.keeps:
                     with ProgressLine(f"[eval] {name} keep {keep:g}"):
                         rows.append(run.variant(name, keep))
+                    if config.compare and name in PRESSES:
+                        with ProgressLine(f"[eval] {PRESSES[name]} keep {keep:g}"):
+                            rows.append(run.kvpress(name, keep))
             tokens = {
                 "documents": float(np.mean([len(p) for p in run.documents])),
                 "passkey": float(np.mean([len(p) for p in run.haystacks])),

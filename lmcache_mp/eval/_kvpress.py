@@ -1,5 +1,5 @@
-"""``lmcache-mp eval --tasks ... --compare kvpress``: NVIDIA kvpress's presses
-on the same model, prompts and budgets as lmcache_mp's edits.
+"""``lmcache-mp eval --compare kvpress``: NVIDIA kvpress's presses on the
+same model, prompts and budgets as lmcache_mp's edits.
 
 kvpress (PyPI ``kvpress``) compresses inside the attention forward: a press
 is a context manager that hooks every attention layer during the context's
@@ -8,7 +8,8 @@ the question and the answer then run after the compressed cache at the
 positions they would have had uncompressed. This module runs each prompt
 as kvpress's ``KVPressTextGenerationPipeline._forward`` does (the press
 around ``model.model``'s prefill of the context, then the rest of the
-prompt at its original positions and a greedy answer), with the prompt's
+prompt at its original positions and a greedy answer, or the teacher-forced
+continuation the document eval scores), with the prompt's
 token ids as lmcache_mp's streams see them: the context is the stream's
 chunk-aligned cached prefix, the part an lmcache_mp edit compresses, and
 the rest of the prompt is what a stream keeps as its suffix.
@@ -22,9 +23,20 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from lmcache_mp._util.extras import import_extra
 
-__all__ = ["PRESSES", "KvpressRun", "context_length", "kvpress_answers", "make_press"]
+__all__ = [
+    "PRESSES",
+    "KvpressRun",
+    "KvpressScores",
+    "context_length",
+    "kvpress_answers",
+    "kvpress_scores",
+    "make_press",
+]
 
 #: The lmcache_mp edit each kvpress press is set beside (kvpress has no
 #: recent-window press apart from StreamingLLM, and no R-KV).
@@ -61,6 +73,23 @@ class KvpressRun:
     kept: float
     prefill_s: float
     answer_s: float
+
+
+@dataclass(frozen=True)
+class KvpressScores:
+    """One press (or none) over the documents, scored teacher-forced.
+
+    Args:
+        logprobs: For each prompt, ``[len(continuation), V]`` float32
+            log-probabilities of its continuation (as ``engine.score``
+            gives them).
+        kept: As :attr:`KvpressRun.kept`.
+        prefill_s: As :attr:`KvpressRun.prefill_s`.
+    """
+
+    logprobs: list[npt.NDArray[np.float32]]
+    kept: float
+    prefill_s: float
 
 
 def make_press(edit: str, keep: float, seed: int = 0) -> Any:
@@ -125,21 +154,13 @@ def kvpress_answers(
     Raises:
         ImportError: Without ``transformers`` (the ``model`` extra).
     """
-    import torch
-    from transformers import DynamicCache
-
     answers, kept, prefill_s, answer_s = [], [], 0.0, 0.0
-    model = engine.model
-    with torch.inference_mode(), _attention(model, type(press).__name__ in _EAGER):
+    with _pressing(engine, press):
         for prompt in prompts:
-            context = context_length(len(prompt), chunk_size)
-            cache = DynamicCache(config=model.config)
-            begin = time.perf_counter()
-            with contextlib.nullcontext() if press is None else press(model):
-                engine.forward(prompt[:context], 0, cache, 1)
+            cache, context, seconds = _prefill(engine, prompt, press, chunk_size)
             answered = time.perf_counter()
-            prefill_s += answered - begin
-            kept.append((cache.get_seq_length() + len(prompt) - context) / len(prompt))
+            prefill_s += seconds
+            kept.append(_kept(cache, len(prompt), context))
             # The rest of the prompt, then the answer, at the positions they
             # have in the uncompressed prompt (kvpress's generate_answer).
             position, tokens = context, list(prompt[context:])
@@ -152,6 +173,79 @@ def kvpress_answers(
             answers.append(engine.decode(answer))
             answer_s += time.perf_counter() - answered
     return KvpressRun(answers, sum(kept) / len(kept), prefill_s, answer_s)
+
+
+def kvpress_scores(
+    engine: Any,
+    prompts: Sequence[Sequence[int]],
+    continuations: Sequence[Sequence[int]],
+    press: Any,
+    chunk_size: int,
+) -> KvpressScores:
+    """Teacher-force each continuation after its prompt, the prompt's
+    context compressed by ``press``: what ``engine.score`` gives after an
+    edited cache, for kvpress.
+
+    Args:
+        engine: The eval's :class:`~lmcache_mp.engine.HFEngine`.
+        prompts: The prompts' token ids.
+        continuations: Each prompt's continuation to score (at least one
+            token each).
+        press: A kvpress press, or ``None`` for the uncompressed model.
+        chunk_size: The store's tokens per chunk (sizes the context).
+
+    Returns:
+        The scores.
+
+    Raises:
+        ImportError: Without ``transformers`` (the ``model`` extra).
+    """
+    logprobs, kept, prefill_s = [], [], 0.0
+    with _pressing(engine, press):
+        for prompt, continuation in zip(prompts, continuations, strict=True):
+            cache, context, seconds = _prefill(engine, prompt, press, chunk_size)
+            prefill_s += seconds
+            kept.append(_kept(cache, len(prompt), context))
+            # The rest of the prompt and the continuation but its last token
+            # in one forward pass, at their uncompressed positions: row i is
+            # the distribution continuation[i] was drawn from.
+            tokens = [*prompt[context:], *continuation[:-1]]
+            out = engine.forward(tokens, context, cache, len(continuation))
+            logprobs.append(out.logits[0].float().log_softmax(dim=-1).numpy())
+    return KvpressScores(logprobs, sum(kept) / len(kept), prefill_s)
+
+
+def _prefill(
+    engine: Any, prompt: Sequence[int], press: Any, chunk_size: int
+) -> tuple[Any, int, float]:
+    """The prompt's context prefilled with ``press`` inside: the cache, the
+    context's length, and the prefill's wall time in seconds."""
+    from transformers import DynamicCache
+
+    context = context_length(len(prompt), chunk_size)
+    cache = DynamicCache(config=engine.model.config)
+    begin = time.perf_counter()
+    with contextlib.nullcontext() if press is None else press(engine.model):
+        engine.forward(prompt[:context], 0, cache, 1)
+    return cache, context, time.perf_counter() - begin
+
+
+def _kept(cache: Any, prompt_tokens: int, context: int) -> float:
+    """The fraction of the prompt a stream would send after the press: the
+    cache's tokens and the rest of the prompt."""
+    return float(cache.get_seq_length() + prompt_tokens - context) / prompt_tokens
+
+
+@contextlib.contextmanager
+def _pressing(engine: Any, press: Any) -> Iterator[None]:
+    """Run without autograd, in the attention the press needs."""
+    import torch
+
+    with (
+        torch.inference_mode(),
+        _attention(engine.model, type(press).__name__ in _EAGER),
+    ):
+        yield
 
 
 @contextlib.contextmanager

@@ -34,8 +34,12 @@ class EvalRow:
         kl: Mean ``KL(p_ref || p_edit)`` of the next-token distributions
             over the same positions, in nats.
         passkey: Fraction of the haystacks whose greedy answer states the key.
-        modify_s: Modify wall time on the eval's executor, in seconds.
+        modify_s: Modify wall time on the eval's executor, in seconds; for
+            kvpress, its contexts' prefills with the press inside them.
         thread_modify_s: The same edit's modify wall time on threads.
+        by: ``"lmcache_mp"``, or ``"kvpress"`` and the press's class name
+            for a row of ``compare`` (its ``edit`` the lmcache_mp edit it
+            is set beside).
     """
 
     edit: str
@@ -46,6 +50,7 @@ class EvalRow:
     passkey: float
     modify_s: float | None = None
     thread_modify_s: float | None = None
+    by: str = "lmcache_mp"
 
 
 def page(title: str, headers: list[str], table: list[list[str]], note: str) -> str:
@@ -121,6 +126,10 @@ class EvalResult:
             # One run on threads: its time is both columns.
             headers.pop()
             table = [row[:-1] for row in table]
+        if cfg.compare:
+            headers.insert(2, "by")
+            for row, r in zip(table, self.rows, strict=True):
+                row.insert(2, r.by)
         tokens = self.prompt_tokens
         title = (
             f"lmcache-mp eval: {cfg.engine}, {cfg.prompts} documents "
@@ -137,6 +146,12 @@ class EvalResult:
             "passkey: greedy answers stating the hidden number; kept: tokens "
             "kept / prompt tokens"
         )
+        if cfg.compare:
+            note += (
+                "; kvpress rows: its press in the context's prefill (the "
+                "prompt's chunk-aligned prefix, as the edits are given), "
+                "original positions, their time that prefill's"
+            )
         if cfg.server is not None:
             title += f"; served at {cfg.server}"
             # OpenAICompletions.score: the server lists its top tokens only.
@@ -153,7 +168,7 @@ class EvalResult:
          "duration_s": float, "config": {EvalConfig fields},
          "prompt_tokens": {"documents": float, "passkey": float},
          "rows": [{"edit", "keep", "kept", "agreement", "kl",
-                   "passkey", "modify_s", "thread_modify_s"}, ...]}
+                   "passkey", "modify_s", "thread_modify_s", "by"}, ...]}
         """
         return {
             "schema": EVAL_SCHEMA,
@@ -195,11 +210,17 @@ class EvalResult:
             ("passkey", "passkey accuracy"),
         )
         for ax, (field, label) in zip(axes, panels, strict=True):
-            for edit in dict.fromkeys(r.edit for r in self.rows[1:]):
+            # One line per edit, and one per press beside it.
+            for edit, by in dict.fromkeys(
+                (r.edit, r.by) for r in self.rows if r.edit != "none"
+            ):
                 series = sorted(
-                    (r.keep, getattr(r, field)) for r in self.rows if r.edit == edit
+                    (r.keep, getattr(r, field))
+                    for r in self.rows
+                    if (r.edit, r.by) == (edit, by)
                 )
-                ax.plot(*zip(*series, strict=True), marker="o", label=edit)
+                label = edit if by == "lmcache_mp" else by
+                ax.plot(*zip(*series, strict=True), marker="o", label=label)
             ax.axhline(getattr(base, field), color="gray", linestyle="--", label="none")
             ax.set_xlabel("keep (fraction of prompt tokens)")
             ax.set_ylabel(label)
