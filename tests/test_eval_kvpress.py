@@ -4,39 +4,54 @@ lmcache_mp edits."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from kvpress import KnormPress, RandomPress, SnapKVPress
 from kvpress.attention_patch import patch_attention_functions
 
 from lmcache_mp.__main__ import build_parser
 from lmcache_mp.engine._hf_attention import register
-from lmcache_mp.eval import EvalConfig, EvalResult, TasksResult, evaluate
+from lmcache_mp.eval import (
+    EvalConfig,
+    EvalResult,
+    GenerateResult,
+    TasksResult,
+    evaluate,
+)
 from lmcache_mp.eval._cli import eval_config_from_args
 from lmcache_mp.eval._kvpress import PRESSES, context_length, make_press
 
 KEEP = 0.5
 
 
+def compare_on_smollm2(**fields: Any) -> EvalResult | GenerateResult | TasksResult:
+    """The eval on SmolLM2 at half the prompt with kvpress beside it.
+    kvpress wraps every attention function registered when it patches
+    them, as it does when the CLI imports it after the model is loaded."""
+    register()
+    patch_attention_functions()
+    return evaluate(
+        EvalConfig(
+            keeps=(KEEP,),
+            engine="smollm2-135m",
+            compare=("kvpress",),
+            workers=2,
+            **fields,
+        )
+    )
+
+
 @pytest.fixture(scope="module")
 def compared() -> TasksResult:
     """One task at one length, knorm and snapkv at half the prompt, with
-    kvpress's KnormPress and SnapKVPress beside them, on SmolLM2. kvpress
-    wraps every attention function registered when it patches them, as it
-    does when the CLI imports it after the model is loaded."""
-    register()
-    patch_attention_functions()
-    result = evaluate(
-        EvalConfig(
-            edits=("knorm", "snapkv"),
-            keeps=(KEEP,),
-            engine="smollm2-135m",
-            tasks=("niah_single",),
-            lengths=(256,),
-            samples=6,
-            min_accuracy=0.0,
-            compare=("kvpress",),
-            workers=2,
-        )
+    kvpress's KnormPress and SnapKVPress beside them, on SmolLM2."""
+    result = compare_on_smollm2(
+        edits=("knorm", "snapkv"),
+        tasks=("niah_single",),
+        lengths=(256,),
+        samples=6,
+        min_accuracy=0.0,
     )
     assert isinstance(result, TasksResult)
     return result
@@ -86,19 +101,7 @@ def test_a_press_keeps_what_its_edit_keeps(compared: TasksResult) -> None:
 def documents() -> EvalResult:
     """The document eval (teacher-forced agreement and KL, passkeys) with
     knorm at half the prompt and KnormPress beside it, on SmolLM2."""
-    register()
-    patch_attention_functions()
-    result = evaluate(
-        EvalConfig(
-            edits=("knorm",),
-            keeps=(KEEP,),
-            engine="smollm2-135m",
-            prompts=2,
-            continuation=8,
-            compare=("kvpress",),
-            workers=2,
-        )
-    )
+    result = compare_on_smollm2(edits=("knorm",), prompts=2, continuation=8)
     assert isinstance(result, EvalResult)
     return result
 
