@@ -130,12 +130,14 @@ class _Eval:
         self.batch.decode(
             {**_GREEDY, "max_tokens": self.config.answer_tokens}, stream_ids=ids
         )
-        answers = [self.model.decode(self.streams[sid].output_tokens) for sid in ids]
-        return float(
-            np.mean(
-                [p.found_in(a) for p, a in zip(self.passkeys, answers, strict=True)]
-            )
+        return self._found(
+            [self.model.decode(self.streams[sid].output_tokens) for sid in ids]
         )
+
+    def _found(self, answers: list[str]) -> float:
+        """The fraction of the haystacks' answers that state the key."""
+        found = zip(self.passkeys, answers, strict=True)
+        return float(np.mean([p.found_in(a) for p, a in found]))
 
     def uncompressed(self) -> EvalRow:
         """Run the uncompressed batch; its row (keep 1)."""
@@ -206,8 +208,6 @@ class _Eval:
             engine, self.haystacks, press, cfg.answer_tokens, cfg.chunk_size
         )
         agreed = agreement_of(self.reference, scored.logprobs)
-        found = zip(self.passkeys, answered.answers, strict=True)
-        passkey = np.mean([p.found_in(a) for p, a in found])
         docs, keys = len(self.documents), len(self.haystacks)
         return EvalRow(
             name or "none",
@@ -215,7 +215,7 @@ class _Eval:
             (scored.kept * docs + answered.kept * keys) / (docs + keys),
             agreed["top1"],
             agreed["kl"],
-            float(passkey),
+            self._found(answered.answers),
             scored.prefill_s + answered.prefill_s,
             by="kvpress" if name is None else f"kvpress {PRESSES[name]}",
         )
