@@ -26,6 +26,7 @@ from lmcache_mp.edits import (
     make_edit,
     rerotate_keys,
 )
+from tests.test_rope import direct_rope
 
 KV, QUERY = LMCacheSDKCacheKind.KV, LMCacheSDKCacheKind.QUERY
 GQA = AttentionConfig(q_heads=6, kv_heads=2, head_dim=4)
@@ -436,6 +437,45 @@ def test_rerotated_keys_sit_at_their_new_positions(name: str) -> None:
     np.testing.assert_array_equal(new_kv, expected)
     np.testing.assert_array_equal(new_kv[1], kv[1][:, kept])
     assert not np.array_equal(new_kv[0], kv[0][:, kept])
+
+
+@pytest.mark.parametrize("name", sorted(DROPPING))
+def test_shifted_keys_keep_their_distance_to_what_follows(name: str) -> None:
+    """With rerotate="shift", a query decoded at position kept + j scores
+    every kept key exactly as a query at T + j scored it in the whole KV:
+    each key keeps its distance to the tokens after the prompt."""
+    kv, q = tensors(GQA)
+    total, heads, d = kv.shape[2], GQA.kv_heads, GQA.head_dim
+    params = {**DROPPING[name], "keep": 0.5}
+    new_kv, kept, _ = run(name, kv, q, rerotate="shift", attention=GQA, **params)
+    raw_query = np.random.default_rng(1).standard_normal((3, heads * d))
+    for layer in range(LAYERS):
+        keys = kv[0, layer, kept].astype(np.float64).reshape(-1, heads, d)
+        moved = new_kv[0, layer].astype(np.float64).reshape(-1, heads, d)
+        for j in range(3):
+            at = np.array([total + j, len(kept) + j])
+            queries = direct_rope(np.stack([raw_query[j]] * 2), at, GQA)
+            before = np.einsum("thd,hd->th", keys, queries[0].reshape(heads, d))
+            after = np.einsum("thd,hd->th", moved, queries[1].reshape(heads, d))
+            np.testing.assert_allclose(after, before, rtol=0, atol=1e-4)
+    np.testing.assert_array_equal(new_kv[1], kv[1][:, kept])
+
+
+@pytest.mark.parametrize("value", ["compact", "shift", True, False])
+def test_rerotate_takes_a_bool_or_a_mode(value: Any) -> None:
+    """rerotate accepts False, True, "compact" and "shift"; "compact" and True
+    give the same KV."""
+    kv, q = tensors(GQA)
+    got, kept, _ = run("knorm", kv, q, rerotate=value, attention=GQA, keep=0.5)
+    compact, same, _ = run("knorm", kv, q, rerotate=True, attention=GQA, keep=0.5)
+    assert kept == same
+    assert np.array_equal(got, compact) == (value in (True, "compact"))
+
+
+def test_an_unknown_rerotate_mode_is_refused() -> None:
+    """rerotate="original" raises ValueError listing the accepted values."""
+    with pytest.raises(ValueError, match="'rerotate' must be a bool, 'compact' or"):
+        make_edit("knorm", rerotate="original", attention=GQA)
 
 
 @pytest.mark.parametrize("name", [*NEW_KV_ONLY, *NEW_WITH_QUERIES, "snapkv"])

@@ -191,13 +191,20 @@ def test_the_cli_parses_edits_keeps_and_counts() -> None:
 
 
 @pytest.mark.parametrize(
-    ("flag", "value"), [("--rerotate", True), ("--no-rerotate", False)]
+    ("flags", "value"),
+    [
+        (["--rerotate"], True),
+        (["--rerotate", "shift"], "shift"),
+        (["--rerotate", "compact"], "compact"),
+        (["--no-rerotate"], False),
+    ],
 )
-def test_rerotate_applies_to_every_edit(flag: str, value: bool) -> None:
-    """--rerotate / --no-rerotate set EvalConfig.rerotate, which every edit is built with."""
+def test_rerotate_applies_to_every_edit(flags: list[str], value: bool | str) -> None:
+    """--rerotate [MODE] / --no-rerotate set EvalConfig.rerotate, which every
+    edit is built with."""
     parser, _ = build_parser()
-    args = parser.parse_args(["eval", flag])
-    assert eval_config_from_args(args.eval_parser, args).rerotate is value
+    args = parser.parse_args(["eval", *flags])
+    assert eval_config_from_args(args.eval_parser, args).rerotate == value
 
 
 @pytest.mark.parametrize(
@@ -206,6 +213,8 @@ def test_rerotate_applies_to_every_edit(flag: str, value: bool) -> None:
         (["--edits", "random,nope"], "unknown edit 'nope'"),
         (["--keep", "0.5,1.5"], "fraction in (0, 1]"),
         (["--prompts", "0"], "integer >= 1"),
+        (["--rerotate", "original"], "expected 'compact' or 'shift'"),
+        (["--rerotate", "--no-rerotate"], "not allowed with"),
     ],
 )
 def test_bad_flags_are_usage_errors(

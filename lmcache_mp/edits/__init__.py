@@ -14,7 +14,14 @@ modify fn of a stream with a KV and a QUERY context, called as
 Every token-dropping edit takes ``keep`` (a fraction) or ``budget``
 (tokens), and ``rerotate`` with the model's :class:`AttentionConfig`
 (``attention=``), which also groups query heads onto KV heads (GQA);
-:func:`rerotate_keys` moves keys' RoPE to new positions.
+:func:`rerotate_keys` moves keys' RoPE to new positions. Decoding goes on
+at position ``kept``, the edited cache's length, as vLLM and LMCache count
+positions. ``rerotate="compact"`` (or ``True``) moves the kept keys to
+``0 .. kept - 1``; ``rerotate="shift"`` moves every kept key by
+``-(T - kept)``, which keeps each key's distance to every later token as
+it was, as kvpress's presses do by keeping original positions; the default
+``False`` leaves keys rotated for their original positions, so decoding
+sees each ``T - kept`` tokens nearer than it was.
 
 PyramidKV (Cai et al., 2024) is left out on purpose: it gives each layer
 its own budget (more tokens in the lower layers), but a stream's KV has one

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -14,35 +14,51 @@ from lmcache_mp.edits._base import Edit, check_fraction, check_int
 from lmcache_mp.edits._rope import rerotate_keys
 from lmcache_mp.edits._select import keep_count, keep_indices
 
-__all__ = ["TokenDrop"]
+__all__ = ["Rerotate", "TokenDrop"]
+
+#: The named values of an edit's ``rerotate``; ``True`` means ``"compact"``.
+_MODES = ("compact", "shift")
+
+#: An edit's ``rerotate``: ``False`` (keys stay where they are), ``True`` or
+#: ``"compact"``, or ``"shift"`` (see :class:`TokenDrop`).
+Rerotate = bool | Literal["compact", "shift"]
 
 
 @dataclass(frozen=True)
 class TokenDrop(Edit):
     """A token-dropping edit: its budget, and where its kept keys sit.
 
-     The budget is ``keep`` (a fraction: ``round(keep * T)`` tokens, halves
-     up, at least 1) or ``budget`` (a token count), never both; the edit's
-     own protected tokens (attention sinks, a recent window) raise it, and
-     a sequence that fits is kept whole. The kept tokens stay in their
-     order. Their keys stay rotated for their original positions unless
-     ``rerotate`` is set: then :func:`~lmcache_mp.edits.rerotate_keys` moves
-     them to positions ``0 .. kept - 1``, where decoding looks for them
-    , which needs the model's ``attention``.
+    The budget is ``keep`` (a fraction: ``round(keep * T)`` tokens, halves
+    up, at least 1) or ``budget`` (a token count), never both; the edit's
+    own protected tokens (attention sinks, a recent window) raise it, and
+    a sequence that fits is kept whole. The kept tokens stay in their
+    order. Their keys stay rotated for their original positions unless
+    ``rerotate`` is set, which needs the model's ``attention``: then
+    :func:`~lmcache_mp.edits.rerotate_keys` moves them. Decoding goes on
+    at position ``kept``, the length of the edited cache (as vLLM and
+    LMCache count positions), so a key left at its original position
+    ``p`` is seen ``kept - p`` tokens back instead of ``T - p``.
+    ``"compact"`` (or ``True``) moves the kept keys to ``0 .. kept - 1``,
+    as StreamingLLM places a cache's tokens; ``"shift"`` moves every kept
+    key by the same ``-(T - kept)``, so each keeps its distance to every
+    later token, as a cache that keeps original positions has it
+    (kvpress's presses) in a layout with one token axis.
 
-     Args:
-         keep: Fraction of all tokens to keep, in ``(0, 1]``; the edit's
-             default when neither ``keep`` nor ``budget`` is given.
-         budget: Tokens to keep, at least 1, instead of ``keep``.
-         rerotate: Move the kept keys' RoPE to positions ``0 .. kept - 1``.
-         attention: The model's attention shape and RoPE
-             (:class:`~lmcache_mp.edits.AttentionConfig`); needed by
-             ``rerotate``, and by the edits that group query heads.
+    Args:
+        keep: Fraction of all tokens to keep, in ``(0, 1]``; the edit's
+            default when neither ``keep`` nor ``budget`` is given.
+        budget: Tokens to keep, at least 1, instead of ``keep``.
+        rerotate: ``False``, ``True`` or ``"compact"`` (kept keys to
+            ``0 .. kept - 1``), or ``"shift"`` (every kept key by
+            ``-(T - kept)``).
+        attention: The model's attention shape and RoPE
+            (:class:`~lmcache_mp.edits.AttentionConfig`); needed by
+            ``rerotate``, and by the edits that group query heads.
 
-     Raises:
-         ValueError: If a parameter is out of range, both ``keep`` and
-             ``budget`` are given, or ``rerotate`` is set without
-             ``attention``; the message names the parameter.
+    Raises:
+        ValueError: If a parameter is out of range, both ``keep`` and
+            ``budget`` are given, or ``rerotate`` is set without
+            ``attention``; the message names the parameter.
     """
 
     #: ``keep`` when neither ``keep`` nor ``budget`` is given (``None``:
@@ -51,7 +67,7 @@ class TokenDrop(Edit):
 
     keep: float | None = None
     budget: int | None = None
-    rerotate: bool = False
+    rerotate: Rerotate = False
     attention: AttentionConfig | None = None
 
     def __post_init__(self) -> None:
@@ -72,9 +88,12 @@ class TokenDrop(Edit):
             object.__setattr__(self, "keep", self.default_keep)
         if self.keep is not None:
             check_fraction(owner, "keep", self.keep)
-        if not isinstance(self.rerotate, (bool, np.bool_)):
+        if not isinstance(self.rerotate, (bool, np.bool_)) and (
+            self.rerotate not in _MODES
+        ):
             raise ValueError(
-                f"{owner}: parameter 'rerotate' must be a bool, got {self.rerotate!r}"
+                f"{owner}: parameter 'rerotate' must be a bool, 'compact' or "
+                f"'shift', got {self.rerotate!r}"
             )
         if self.attention is not None and not isinstance(
             self.attention, AttentionConfig
@@ -85,7 +104,8 @@ class TokenDrop(Edit):
             )
         if self.rerotate and self.attention is None:
             raise ValueError(
-                f"{owner}: rerotate=True needs attention=AttentionConfig(...) (the "
+                f"{owner}: rerotate={self.rerotate!r} needs "
+                "attention=AttentionConfig(...) (the "
                 "model's heads, head_dim and RoPE; e.g. engine.attention), or "
                 "rerotate=False"
             )
@@ -154,13 +174,16 @@ class TokenDrop(Edit):
             idx: The kept positions, strictly increasing.
 
         Returns:
-            ``(new_kv, new_tokens)``, keys moved to ``0 .. len(idx) - 1``
-            when ``rerotate`` is set.
+            ``(new_kv, new_tokens)``, keys moved as ``rerotate`` says.
         """
         new_kv, new_tokens = keep_indices(kv, tokens, idx)
         if self.rerotate and self.attention is not None:
             self.check_width(kv.shape[3])
-            new_kv = rerotate_keys(
-                new_kv, np.asarray(idx), np.arange(len(new_tokens)), self.attention
-            )
+            old = np.asarray(idx)
+            kept = len(new_tokens)
+            if self.rerotate == "shift":
+                new = old - (len(tokens) - kept)
+            else:
+                new = np.arange(kept)
+            new_kv = rerotate_keys(new_kv, old, new, self.attention)
         return new_kv, new_tokens

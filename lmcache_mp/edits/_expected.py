@@ -46,7 +46,7 @@ class ExpectedAttention(QueryDrop, EndsDrop):
     stores. The first ``keep_first`` tokens (kvpress's ``n_sink``) and
     the last ``keep_last`` are always kept, and the highest-scored tokens
     between, so that the budget is met exactly. Kept tokens stay in their
-    order; ``rerotate`` moves their keys to positions ``0 .. kept - 1``.
+    order; ``rerotate`` moves their keys' RoPE.
 
     A modify fn of a stream with a KV and a QUERY context (see
     :class:`~lmcache_mp.edits._queries.QueryDrop`); the queries are taken
@@ -55,7 +55,9 @@ class ExpectedAttention(QueryDrop, EndsDrop):
     Args:
         keep: Fraction of all tokens to keep, in ``(0, 1]`` (default 0.5).
         budget: Tokens to keep, instead of ``keep``.
-        rerotate: Move the kept keys' RoPE to positions ``0 .. kept - 1``.
+        rerotate: Move the kept keys' RoPE: ``"compact"`` (or ``True``)
+            to positions ``0 .. kept - 1``, ``"shift"`` each by
+            ``-(T - kept)``.
         attention: The model's attention shape and RoPE (required: the
             queries' RoPE is undone, and averaged over the future).
         keep_first: Leading tokens always kept, and left out of the query

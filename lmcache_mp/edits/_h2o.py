@@ -38,7 +38,7 @@ class H2O(QueryDrop):
     to the most recent tokens (H2O's recent window; the paper splits the
     budget evenly), the rest to the heavy hitters: the highest-scored
     tokens before the window (of equal scores the later). Kept tokens stay
-    in their order; ``rerotate`` moves their keys to ``0 .. kept - 1``.
+    in their order; ``rerotate`` moves their keys' RoPE.
 
     A modify fn of a stream with a KV and a QUERY context (see
     :class:`~lmcache_mp.edits._queries.QueryDrop`); it needs the queries of
@@ -47,7 +47,9 @@ class H2O(QueryDrop):
     Args:
         keep: Fraction of all tokens to keep, in ``(0, 1]`` (default 0.5).
         budget: Tokens to keep, instead of ``keep``.
-        rerotate: Move the kept keys' RoPE to positions ``0 .. kept - 1``.
+        rerotate: Move the kept keys' RoPE: ``"compact"`` (or ``True``)
+            to positions ``0 .. kept - 1``, ``"shift"`` each by
+            ``-(T - kept)``.
         attention: The model's attention shape and RoPE (GQA; rerotate).
         recent: Share of the budget given to the most recent tokens, in
             ``(0, 1]``; at least one token.

@@ -36,7 +36,9 @@ class KeyDiff(ScoredDrop):
     Args:
         keep: Fraction of all tokens to keep, in ``(0, 1]`` (default 0.5).
         budget: Tokens to keep, instead of ``keep``.
-        rerotate: Move the kept keys' RoPE to positions ``0 .. kept - 1``.
+        rerotate: Move the kept keys' RoPE: ``"compact"`` (or ``True``)
+            to positions ``0 .. kept - 1``, ``"shift"`` each by
+            ``-(T - kept)``.
         attention: The model's attention shape and RoPE (heads; rerotate).
         keep_first: Leading tokens always kept.
         keep_last: Trailing tokens always kept.

@@ -69,7 +69,7 @@ class RKV(QueryDrop):
     subset per stream); the highest-scored ones fill the budget besides the
     window (of equal scores the later). The similarity matrix is computed
     in row blocks, so memory stays ``O(block * T)`` per head. Kept tokens
-    stay in their order; ``rerotate`` moves their keys to ``0 .. kept - 1``
+    stay in their order; ``rerotate`` moves their keys' RoPE
     (the notebook rerotates).
 
     A modify fn of a stream with a KV and a QUERY context (see
@@ -78,7 +78,9 @@ class RKV(QueryDrop):
     Args:
         keep: Fraction of all tokens to keep, in ``(0, 1]`` (default 0.5).
         budget: Tokens to keep, instead of ``keep``.
-        rerotate: Move the kept keys' RoPE to positions ``0 .. kept - 1``.
+        rerotate: Move the kept keys' RoPE: ``"compact"`` (or ``True``)
+            to positions ``0 .. kept - 1``, ``"shift"`` each by
+            ``-(T - kept)``.
         attention: The model's attention shape and RoPE (GQA; rerotate).
         window: Observation window, always kept; at least 1.
         kernel: Width of the max pooling of the importance: odd, >= 1.

@@ -28,12 +28,14 @@ class EndsDrop(TokenDrop):
     the protected tokens alone exceed that, and all of them when
     ``T <= keep_first + keep_last``. Equal priorities favour the later
     token. Kept tokens stay in their original order; ``rerotate`` moves
-    their keys to positions ``0 .. kept - 1``.
+    their keys' RoPE.
 
     Args:
         keep: Fraction of all tokens to keep, in ``(0, 1]`` (default 0.5).
         budget: Tokens to keep, instead of ``keep``.
-        rerotate: Move the kept keys' RoPE to their new positions.
+        rerotate: Move the kept keys' RoPE: ``"compact"`` (or ``True``)
+            to positions ``0 .. kept - 1``, ``"shift"`` each by
+            ``-(T - kept)``.
         attention: The model's attention shape and RoPE (for ``rerotate``).
         keep_first: Leading tokens always kept.
         keep_last: Trailing tokens always kept.

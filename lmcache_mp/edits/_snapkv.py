@@ -59,7 +59,7 @@ class SnapKV(QueryDrop):
     the whole window when it alone is more; every token when that is ``T``
     or more. For the ``window`` edit at that budget, give it
     ``window=budget - sinks``. Kept tokens stay in their order;
-    ``rerotate`` moves their keys to positions ``0 .. kept - 1``.
+    ``rerotate`` moves their keys' RoPE.
 
     It is a modify fn of a stream with a KV and a QUERY context, called as
     ``edit({KV: kv, QUERY: queries}, tokens)`` (see
@@ -69,7 +69,9 @@ class SnapKV(QueryDrop):
     Args:
         keep: Fraction of all tokens to keep, in ``(0, 1]`` (default 0.5).
         budget: Tokens to keep, instead of ``keep``.
-        rerotate: Move the kept keys' RoPE to positions ``0 .. kept - 1``.
+        rerotate: Move the kept keys' RoPE: ``"compact"`` (or ``True``)
+            to positions ``0 .. kept - 1``, ``"shift"`` each by
+            ``-(T - kept)``.
         attention: The model's attention shape and RoPE: query heads are
             grouped onto their KV head (GQA); needed by ``rerotate``.
         window: Observation window: the last prompt positions whose queries

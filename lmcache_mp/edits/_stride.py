@@ -29,12 +29,14 @@ class Stride(TokenDrop):
 
     Given ``keep`` or ``budget``, it keeps that many tokens evenly spread
     instead: position ``floor(i * T / kept)`` for ``i < kept`` (the first
-    token included). ``rerotate`` moves the kept keys to ``0 .. kept - 1``.
+    token included). ``rerotate`` moves the kept keys' RoPE.
 
     Args:
         keep: Fraction of all tokens to keep, instead of ``every``.
         budget: Tokens to keep, instead of ``every``.
-        rerotate: Move the kept keys' RoPE to positions ``0 .. kept - 1``.
+        rerotate: Move the kept keys' RoPE: ``"compact"`` (or ``True``)
+            to positions ``0 .. kept - 1``, ``"shift"`` each by
+            ``-(T - kept)``.
         attention: The model's attention shape and RoPE (for ``rerotate``).
         every: Keep one token in ``every``, at least 1 (1 keeps all).
 

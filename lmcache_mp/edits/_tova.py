@@ -33,7 +33,7 @@ class TOVA(QueryDrop, EndsDrop):
     the query's own) are always kept, and the highest-scored tokens
     between, so that the budget is met exactly; of equal scores the later
     token is kept. Kept tokens stay in their order; ``rerotate`` moves
-    their keys to positions ``0 .. kept - 1``.
+    their keys' RoPE.
 
     A modify fn of a stream with a KV and a QUERY context (see
     :class:`~lmcache_mp.edits._queries.QueryDrop`).
@@ -41,7 +41,9 @@ class TOVA(QueryDrop, EndsDrop):
     Args:
         keep: Fraction of all tokens to keep, in ``(0, 1]`` (default 0.5).
         budget: Tokens to keep, instead of ``keep``.
-        rerotate: Move the kept keys' RoPE to positions ``0 .. kept - 1``.
+        rerotate: Move the kept keys' RoPE: ``"compact"`` (or ``True``)
+            to positions ``0 .. kept - 1``, ``"shift"`` each by
+            ``-(T - kept)``.
         attention: The model's attention shape and RoPE (GQA; rerotate).
         keep_first: Leading tokens always kept.
         keep_last: Trailing tokens always kept.

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lmcache_mp.edits._base import EditResult, check_int
-from lmcache_mp.edits._budget import TokenDrop
+from lmcache_mp.edits._budget import Rerotate, TokenDrop
 from lmcache_mp.hints import releases_gil
 
 __all__ = ["RecentWindow", "SinkWindow", "StreamingLLM"]
@@ -26,7 +26,9 @@ class SinkWindow(TokenDrop):
     Args:
         keep: Fraction of all tokens to keep.
         budget: Tokens to keep, instead of ``keep``.
-        rerotate: Move the kept keys' RoPE to positions ``0 .. kept - 1``.
+        rerotate: Move the kept keys' RoPE: ``"compact"`` (or ``True``)
+            to positions ``0 .. kept - 1``, ``"shift"`` each by
+            ``-(T - kept)``.
         attention: The model's attention shape and RoPE (for ``rerotate``).
         sinks: Leading tokens kept.
     """
@@ -75,7 +77,9 @@ class RecentWindow(SinkWindow):
     Args:
         keep: Fraction of all tokens to keep, instead of ``window``.
         budget: Tokens to keep, instead of ``window``.
-        rerotate: Move the kept keys' RoPE to positions ``0 .. kept - 1``.
+        rerotate: Move the kept keys' RoPE: ``"compact"`` (or ``True``)
+            to positions ``0 .. kept - 1``, ``"shift"`` each by
+            ``-(T - kept)``.
         attention: The model's attention shape and RoPE (for ``rerotate``).
         window: Trailing tokens kept, at least 1 (without keep/budget).
         sinks: Leading tokens kept.
@@ -126,8 +130,9 @@ class StreamingLLM(SinkWindow):
     Args:
         keep: Fraction of all tokens to keep, in ``(0, 1]`` (default 0.5).
         budget: Tokens to keep, instead of ``keep``.
-        rerotate: Move the kept keys' RoPE to positions ``0 .. kept - 1``
-            (default ``True``).
+        rerotate: Move the kept keys' RoPE: ``"compact"`` (or ``True``,
+            the default) to positions ``0 .. kept - 1``, ``"shift"`` each by
+            ``-(T - kept)``.
         attention: The model's attention shape and RoPE; required while
             ``rerotate`` is set.
         sinks: Leading tokens kept.
@@ -140,4 +145,4 @@ class StreamingLLM(SinkWindow):
     name: ClassVar[str] = "streamingllm"
     default_keep: ClassVar[float | None] = 0.5
 
-    rerotate: bool = True
+    rerotate: Rerotate = True

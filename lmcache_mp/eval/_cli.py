@@ -47,6 +47,12 @@ def _counts(text: str) -> tuple[int, ...]:
     return tuple(int_at_least(1)(part) for part in parts)
 
 
+def _rerotate_mode(text: str) -> str:
+    if text not in ("compact", "shift"):
+        raise argparse.ArgumentTypeError(f"expected 'compact' or 'shift', got {text!r}")
+    return text
+
+
 def _fraction_or_zero(text: str) -> float:
     """A fraction in [0, 1]."""
     try:
@@ -129,12 +135,25 @@ def add_eval_parser(
         metavar="N",
         help=f"filler lines per passkey haystack (default: {d.haystack_lines})",
     )
-    p.add_argument(
+    rerotate = p.add_mutually_exclusive_group()
+    rerotate.add_argument(
         "--rerotate",
-        action=argparse.BooleanOptionalAction,
+        nargs="?",
+        const=True,
         default=None,
-        help="move every edit's kept keys to positions 0..kept-1, or none's "
-        "(default: each edit's own default; streamingllm's is on)",
+        type=_rerotate_mode,
+        metavar="MODE",
+        help="move every edit's kept keys: 'compact' (the mode given no MODE) "
+        "to positions 0..kept-1, or 'shift' every key by -(T - kept), keeping "
+        "each key's distance to what follows (default: each edit's own "
+        "default; streamingllm's is compact)",
+    )
+    rerotate.add_argument(
+        "--no-rerotate",
+        dest="rerotate",
+        action="store_const",
+        const=False,
+        help="leave every edit's kept keys at their original positions",
     )
     p.add_argument(
         "--seed", type=int_at_least(0), default=d.seed, help="seed of the passkeys"

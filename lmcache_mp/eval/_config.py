@@ -57,11 +57,12 @@ class EvalConfig:
             450 SmolLM2 tokens).
         answer_tokens: Tokens greedily decoded as a passkey answer.
         seed: Seed of the passkeys.
-        rerotate: Build every edit with this ``rerotate`` (``None``: each
-            edit's documented default; only ``streamingllm`` rerotates by
-            default, and an edit that does not leaves its kept keys at
-            their old positions while decoding continues at the kept count,
-            as vLLM + LMCache would).
+        rerotate: Build every edit with this ``rerotate``: ``False``,
+            ``True``, ``"compact"`` or ``"shift"`` (``None``: each edit's
+            documented default; only ``streamingllm`` rerotates by default,
+            and an edit that does not leaves its kept keys at their old
+            positions while decoding continues at the kept count, as vLLM +
+            LMCache would).
         server: An OpenAI-compatible server's base URL: the streams' prefill
             and decode, and the teacher-forced scoring, go to it through
             the OpenAI client; ``engine`` is then loaded here only for its
@@ -117,7 +118,7 @@ class EvalConfig:
     haystack_lines: int = 16
     answer_tokens: int = 8
     seed: int = 0
-    rerotate: bool | None = None
+    rerotate: bool | str | None = None
     server: str | None = None
     store: str | None = None
     generate: int | None = None
