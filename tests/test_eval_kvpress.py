@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from kvpress import KnormPress, RandomPress, SnapKVPress
+from kvpress import KnormPress, RandomPress, SnapKVPress, TOVAPress
 from kvpress.attention_patch import patch_attention_functions
 
 from lmcache_mp.__main__ import build_parser
@@ -20,7 +20,12 @@ from lmcache_mp.eval import (
     evaluate,
 )
 from lmcache_mp.eval._cli import eval_config_from_args
-from lmcache_mp.eval._kvpress import PRESSES, context_length, make_press
+from lmcache_mp.eval._kvpress import (
+    PRESSES,
+    context_length,
+    counterpart,
+    make_press,
+)
 
 KEEP = 0.5
 
@@ -146,6 +151,15 @@ def test_presses_are_built_from_keep() -> None:
     assert isinstance(random_press, RandomPress) and random_press.seed == 3
     assert isinstance(make_press("snapkv", 0.5), SnapKVPress)
     assert set(PRESSES) <= set(EvalConfig().edits)
+
+
+def test_a_rows_press_and_label_come_from_the_edit() -> None:
+    """An edit's counterpart is its press labelled "kvpress <Press>"; no edit
+    is kvpress's uncompressed model, labelled "kvpress"."""
+    press, label = counterpart("tova", 0.5)
+    assert isinstance(press, TOVAPress) and label == "kvpress TOVAPress"
+    assert press.compression_ratio == pytest.approx(0.5)
+    assert counterpart(None, None) == (None, "kvpress")
 
 
 @pytest.mark.parametrize(

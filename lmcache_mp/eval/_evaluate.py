@@ -50,9 +50,9 @@ from lmcache_mp.eval._generate import (
 from lmcache_mp.eval._intervals import bootstrap
 from lmcache_mp.eval._kvpress import (
     PRESSES,
+    counterpart,
     kvpress_answers,
     kvpress_scores,
-    make_press,
 )
 from lmcache_mp.eval._ruler import ANSWER_TOKENS, TaskRow, TasksResult
 from lmcache_mp.eval._table import EvalResult, EvalRow
@@ -199,7 +199,7 @@ class _Eval:
         """kvpress's counterpart of edit ``name`` at ``keep`` (``None``: its
         uncompressed model) on the documents and haystacks; its row."""
         cfg = self.config
-        press = None if name is None or keep is None else make_press(name, keep)
+        press, by = counterpart(name, keep)
         engine = self.model.engine
         scored = kvpress_scores(
             engine, self.documents, self.reference.tokens, press, cfg.chunk_size
@@ -217,7 +217,7 @@ class _Eval:
             agreed["kl"],
             self._found(answered.answers),
             scored.prefill_s + answered.prefill_s,
-            by="kvpress" if name is None else f"kvpress {PRESSES[name]}",
+            by=by,
         )
 
     def _context(self, sid: str) -> list[int]:
@@ -430,8 +430,7 @@ class _Eval:
     ) -> TaskRow:
         """kvpress's counterpart of ``edit`` at ``keep`` on a cell (``None``:
         its uncompressed model); its row, ``change`` against ``base``."""
-        press = None if edit is None or keep is None else make_press(edit, keep)
-        by = "kvpress" if edit is None else f"kvpress {PRESSES[edit]}"
+        press, by = counterpart(edit, keep)
         with ProgressLine(f"[eval] {by} on {base.task}@{base.length}"):
             run = kvpress_answers(
                 self.model.engine,

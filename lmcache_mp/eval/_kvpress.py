@@ -33,6 +33,7 @@ __all__ = [
     "KvpressRun",
     "KvpressScores",
     "context_length",
+    "counterpart",
     "kvpress_answers",
     "kvpress_scores",
     "make_press",
@@ -113,6 +114,27 @@ def make_press(edit: str, keep: float, seed: int = 0) -> Any:
     if edit == "random":
         return cls(compression_ratio=1.0 - keep, seed=seed)
     return cls(compression_ratio=1.0 - keep)
+
+
+def counterpart(edit: str | None, keep: float | None) -> tuple[Any, str]:
+    """kvpress's counterpart of ``edit`` at ``keep``, and its rows' label.
+
+    Args:
+        edit: An lmcache_mp edit name, a key of :data:`PRESSES`; ``None``
+            for kvpress's uncompressed model.
+        keep: Fraction of the context's tokens kept; ``None`` with ``edit``.
+
+    Returns:
+        ``(press, label)``: the press (``None`` uncompressed) and
+        ``"kvpress <Press>"`` (``"kvpress"`` uncompressed).
+
+    Raises:
+        KeyError: If kvpress has no counterpart of ``edit``.
+        ImportError: Without ``kvpress`` (the ``compare`` extra).
+    """
+    if edit is None or keep is None:
+        return None, "kvpress"
+    return make_press(edit, keep), f"kvpress {PRESSES[edit]}"
 
 
 def context_length(prompt_tokens: int, chunk_size: int) -> int:
