@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.util
 import os
@@ -244,6 +245,19 @@ def test_workers_cap_blas_threads_and_import_preloads(
         batch.prefill({})
         batch.modify(blas_env)
         assert {m.info for m in batch.modify_metrics.values()} == {("1", True)}
+
+
+def test_a_slow_preload_is_waited_for(
+    store: SharedMemoryKVStore, start_method: str
+) -> None:
+    """The pool waits for its workers' preloads however long they take (a
+    model's weights on a busy machine): a preload sleeping seconds starts
+    both workers, and the phase runs on them."""
+    slow = functools.partial(time.sleep, 3.0)
+    with _batch(store, start_method, preload=[slow]) as batch:
+        batch.prefill({})
+        batch.modify(worker_pid)
+        assert len({m.info for m in batch.modify_metrics.values()}) == 2
 
 
 def count_concurrent(kv: np.ndarray, tokens: list[int], directory: str = "") -> Any:

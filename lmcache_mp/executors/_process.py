@@ -42,7 +42,7 @@ from lmcache_mp._util.paths import remove_tree
 from lmcache_mp.errors import TerminatedWorkerError
 from lmcache_mp.executors._base import PhaseRun, Preload
 from lmcache_mp.executors._claims import Claims
-from lmcache_mp.executors._dispatch import JOIN_TIMEOUT, ShardExecutor
+from lmcache_mp.executors._dispatch import ShardExecutor
 from lmcache_mp.executors._worker import BLAS_ENV_VARS, initialize
 
 __all__ = ["ProcessExecutor", "describe_exit"]
@@ -194,10 +194,13 @@ class ProcessExecutor(ShardExecutor):
         try:
             with _blas_env(blas):
                 seen: set[int] = set()
-                deadline = time.monotonic() + JOIN_TIMEOUT
-                while len(seen) < n and time.monotonic() < deadline:
+                while len(seen) < n:
                     pings = [pool.submit(_ping) for _ in range(n)]
-                    seen.update(f.result(timeout=JOIN_TIMEOUT) for f in pings)
+                    # No deadline: a preload may load a model's weights for
+                    # minutes on a busy machine, and a worker that dies
+                    # while starting fails its ping with BrokenProcessPool
+                    # (CPython's pool watches its processes' sentinels).
+                    seen.update(f.result() for f in pings)
         except (BrokenProcessPool, OSError, ValueError) as exc:
             # OSError/ValueError: spawning raced with the pool's teardown.
             self._discard(kill=True)
