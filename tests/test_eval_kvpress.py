@@ -141,6 +141,56 @@ def test_a_press_is_scored_beside_its_edit_on_the_documents(
     assert "kvpress KnormPress" in documents.format()
 
 
+BUDGET = 96
+
+
+@pytest.fixture(scope="module")
+def generated() -> GenerateResult:
+    """Compression while generating (16 tokens after 160-token documents,
+    every 8, budget 96) with knorm and kvpress's DecodingPress around
+    KnormPress, on SmolLM2."""
+    result = compare_on_smollm2(
+        edits=("knorm",),
+        prompts=2,
+        prompt_tokens=160,
+        generate=16,
+        every=8,
+        budget=BUDGET,
+    )
+    assert isinstance(result, GenerateResult)
+    return result
+
+
+def test_kvpress_uncompressed_generation_is_the_reference(
+    generated: GenerateResult,
+) -> None:
+    """One token per forward, kvpress's uncompressed model generates the
+    eval's reference and scores it as the eval does: exact outputs, the
+    same top-1 agreement, a KL of zero up to rounding."""
+    ours, theirs = generated.rows[:2]
+    assert (ours.by, theirs.by) == ("lmcache_mp", "kvpress")
+    assert theirs.exact == 1.0 and theirs.common_prefix == 16
+    assert theirs.top1 == ours.top1
+    assert theirs.kl == pytest.approx(0.0, abs=1e-4)
+
+
+def test_a_decoding_press_is_set_beside_its_edit(generated: GenerateResult) -> None:
+    """DecodingPress(KnormPress) follows knorm at the same budget: it ends
+    with about as many cached tokens (the budget and the last round's),
+    its compression shows in the KL, and the table names it."""
+    assert [(r.edit, r.size, r.by) for r in generated.rows] == [
+        ("none", "-", "lmcache_mp"),
+        ("none", "-", "kvpress"),
+        ("knorm", f"budget {BUDGET}", "lmcache_mp"),
+        ("knorm", f"budget {BUDGET}", "kvpress DecodingPress(KnormPress)"),
+    ]
+    ours, theirs = generated.rows[2:]
+    assert BUDGET < theirs.speed.kv_tokens <= BUDGET + 8
+    assert abs(theirs.speed.kv_tokens - ours.speed.kv_tokens) <= 2
+    assert theirs.kl > 1e-3 and len(theirs.round_kl) == 2
+    assert "DecodingPress(KnormPress)" in generated.format()
+
+
 def test_presses_are_built_from_keep() -> None:
     """A press drops ``1 - keep`` of the context; RandomPress takes the
     seed; every press named has an lmcache_mp edit beside it."""
@@ -181,23 +231,24 @@ def test_the_context_is_what_an_edit_is_given(
         ({"compare": ("vllm",)}, "unknown implementation 'vllm'"),
         (
             {"compare": ("kvpress",), "tasks": ("vt",), "engine": "toy"},
-            "compare runs on the documents or the tasks with a trained model",
+            "compare runs with a trained model",
         ),
         (
             {"compare": ("kvpress",), "engine": "toy"},
-            "compare runs on the documents or the tasks with a trained model",
+            "compare runs with a trained model",
         ),
         (
-            {"compare": ("kvpress",), "generate": 64, "every": 32, "budget": 64},
-            "leave out generate and server",
+            {"compare": ("kvpress",), "generate": 64, "every": 32},
+            "compare with generate needs EvalConfig.budget",
         ),
     ],
 )
 def test_bad_compare_options_are_refused(
     fields: dict[str, object], message: str
 ) -> None:
-    """An unknown implementation, compare on the toy engine or while
-    generating is refused, naming the problem."""
+    """An unknown implementation, compare on the toy engine, or compare
+    while generating without a budget (DecodingPress keeps a token count)
+    is refused, naming the problem."""
     with pytest.raises(ValueError, match=message):
         EvalConfig(**fields)  # type: ignore[arg-type]
 

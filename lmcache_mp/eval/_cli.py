@@ -232,7 +232,8 @@ def add_eval_parser(
         metavar="NAMES",
         help="also run kvpress's counterpart of each edit (and its "
         "uncompressed model) on the same documents and passkeys, or tasks, "
-        "and keeps (needs 'compare')",
+        "and keeps; with --generate, its DecodingPress at --budget (needs "
+        "'compare')",
     )
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument(

@@ -235,13 +235,17 @@ class EvalConfig:
     def _check_compare(self) -> None:
         """The implementations to compare, and that they can run."""
         self._names("compare", "implementation", COMPARE)
-        if self.compare and (
-            self.generate is not None or self.server is not None or self.engine == "toy"
-        ):
+        if self.compare and (self.server is not None or self.engine == "toy"):
             raise ValueError(
-                "EvalConfig.compare runs on the documents or the tasks with a "
-                "trained model, in this process: leave out generate and "
-                "server, and give a model (not the toy engine)"
+                "EvalConfig.compare runs with a trained model, in this "
+                "process: leave out server, and give a model (not the toy "
+                "engine)"
+            )
+        if self.compare and self.generate is not None and self.budget is None:
+            raise ValueError(
+                "EvalConfig.compare with generate needs EvalConfig.budget: "
+                "kvpress's DecodingPress compresses to a token count "
+                "(target_size), not a fraction"
             )
 
     @property

@@ -43,15 +43,19 @@ from lmcache_mp.eval._engine import EvalEngine, open_engine, served_engine
 from lmcache_mp.eval._generate import (
     GenerateResult,
     GenerateRow,
-    common_prefix,
+    Speed,
     free_running,
+    generate_row,
     teacher_forced,
+    window,
 )
 from lmcache_mp.eval._intervals import bootstrap
 from lmcache_mp.eval._kvpress import (
     PRESSES,
     counterpart,
+    decoding_press,
     kvpress_answers,
+    kvpress_generation,
     kvpress_scores,
 )
 from lmcache_mp.eval._ruler import ANSWER_TOKENS, TaskRow, TasksResult
@@ -289,11 +293,50 @@ class _Eval:
                 speed,
             )
         ]
+        if cfg.compare:
+            with ProgressLine("[eval] kvpress uncompressed generation"):
+                rows.append(self._kvpress_generating(None, prompts, reference))
         for name in cfg.edits:
             for size, param in cfg.sizes:
                 with ProgressLine(f"[eval] {name} {size} while generating"):
                     rows.append(self._generating(name, size, param, prompts, reference))
+                if cfg.compare and name in PRESSES:
+                    with ProgressLine(f"[eval] DecodingPress({PRESSES[name]})"):
+                        rows.append(self._kvpress_generating(name, prompts, reference))
         return rows, prompts
+
+    def _kvpress_generating(
+        self, name: str | None, prompts: list[list[int]], reference: Reference
+    ) -> GenerateRow:
+        """kvpress's counterpart of edit ``name`` (``None``: its uncompressed
+        model) compressing while generating, at the eval's budget; its row."""
+        cfg = self.config
+        every, budget = cfg.every_tokens, cfg.budget or 0
+        press, by = (
+            (None, "kvpress") if name is None else decoding_press(name, budget, every)
+        )
+        run = kvpress_generation(
+            self.model.engine, prompts, reference.tokens, press, every
+        )
+        rounds = [
+            agreement_of(
+                window(reference, begin, every),
+                [lp[begin : begin + every] for lp in run.logprobs],
+            )
+            for begin in range(0, cfg.generate_tokens, every)
+        ]
+        generated = cfg.generate_tokens * len(prompts)
+        speed = Speed(
+            run.wall_s,
+            0.0,
+            generated / run.wall_s if run.wall_s > 0 else 0.0,
+            run.end_tokens_per_s,
+            run.kv_tokens,
+        )
+        size = "-" if name is None else f"budget {budget}"
+        return generate_row(
+            name or "none", size, rounds, run.outputs, reference, speed, by=by
+        )
 
     def _generating(
         self,
@@ -312,7 +355,6 @@ class _Eval:
         rounds = teacher_forced(
             self.batch, ids, cfg, edit, self.model.engine, reference, salt
         )
-        positions = sum(r["positions"] for r in rounds)
         self._drop(self.batch, ids)
         ids = self._copies(self.batch, prompts, f"{salt}/free", kinds)
         outputs, speed = free_running(self.batch, ids, cfg, edit)
@@ -322,27 +364,8 @@ class _Eval:
             ids = self._copies(self.threads, prompts, f"{salt}/thread", kinds)
             thread_s = free_running(self.threads, ids, cfg, edit)[1].modify_s
             self._drop(self.threads, ids)
-        prefixes = [
-            common_prefix(o, r) for o, r in zip(outputs, reference.tokens, strict=True)
-        ]
-        return GenerateRow(
-            name,
-            size,
-            sum(r["top1"] * r["positions"] for r in rounds) / positions,
-            sum(r["kl"] * r["positions"] for r in rounds) / positions,
-            [r["top1"] for r in rounds],
-            [r["kl"] for r in rounds],
-            float(np.mean(prefixes)),
-            float(
-                np.mean(
-                    [
-                        p == len(r)
-                        for p, r in zip(prefixes, reference.tokens, strict=True)
-                    ]
-                )
-            ),
-            speed,
-            thread_s,
+        return generate_row(
+            name, f"{size}", rounds, outputs, reference, speed, thread_s
         )
 
     def tasks(self) -> tuple[list[TaskRow], list[TaskRow], dict[str, float]]:

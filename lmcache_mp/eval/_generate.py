@@ -88,8 +88,11 @@ class GenerateRow:
             output's longest common prefix with the reference, in tokens.
         exact: Fraction of documents whose free-running output is the
             reference's.
-        speed: The free-running generation on the eval's executor.
+        speed: The free-running generation on the eval's executor (or in
+            kvpress's loop, one prompt at a time).
         thread_modify_s: Its rounds' modify time on threads.
+        by: ``"lmcache_mp"``, or ``"kvpress"`` and the press's name
+            (``--compare kvpress``).
     """
 
     edit: str
@@ -102,6 +105,60 @@ class GenerateRow:
     exact: float
     speed: Speed
     thread_modify_s: float | None = None
+    by: str = "lmcache_mp"
+
+
+def generate_row(
+    edit: str,
+    size: str,
+    rounds: list[dict[str, float]],
+    outputs: list[list[int]],
+    reference: Reference,
+    speed: Speed,
+    thread_modify_s: float | None = None,
+    by: str = "lmcache_mp",
+) -> GenerateRow:
+    """One run's row, from its rounds' agreement and its free-running outputs.
+
+    Args:
+        edit: The edit's name (``"none"``: uncompressed).
+        size: ``"budget B"``, ``"keep K"`` or ``"-"``.
+        rounds: Each round's ``top1``, ``kl`` and ``positions``.
+        outputs: Each prompt's free-running greedy output.
+        reference: The uncompressed generation.
+        speed: The free-running generation's speed.
+        thread_modify_s: Its rounds' modify time on threads.
+        by: Who compressed (see :class:`GenerateRow`).
+
+    Returns:
+        The row: overall agreement weighted by each round's positions.
+    """
+    positions = sum(r["positions"] for r in rounds)
+    prefixes = [
+        common_prefix(o, r) for o, r in zip(outputs, reference.tokens, strict=True)
+    ]
+    exact = [p == len(r) for p, r in zip(prefixes, reference.tokens, strict=True)]
+    return GenerateRow(
+        edit,
+        size,
+        sum(r["top1"] * r["positions"] for r in rounds) / positions,
+        sum(r["kl"] * r["positions"] for r in rounds) / positions,
+        [r["top1"] for r in rounds],
+        [r["kl"] for r in rounds],
+        statistics.fmean(prefixes),
+        statistics.fmean(exact),
+        speed,
+        thread_modify_s,
+        by,
+    )
+
+
+def window(reference: Reference, begin: int, every: int) -> Reference:
+    """The reference's tokens ``begin .. begin + every - 1``: one round."""
+    return Reference(
+        [t[begin : begin + every] for t in reference.tokens],
+        [lp[begin : begin + every] for lp in reference.logprobs],
+    )
 
 
 def common_prefix(output: list[int], reference: list[int]) -> int:
@@ -211,14 +268,11 @@ def teacher_forced(
     for begin in range(0, config.generate_tokens, every):
         if begin:
             batch.modify(edit, stream_ids=ids, array="numpy")
-        window = Reference(
-            [t[begin : begin + every] for t in reference.tokens],
-            [lp[begin : begin + every] for lp in reference.logprobs],
-        )
+        part = window(reference, begin, every)
         contexts = [_context(batch, sid) for sid in ids]
-        rounds.append(agreement(engine, contexts, window, salt))
+        rounds.append(agreement(engine, contexts, part, salt))
         if begin + every < config.generate_tokens:
-            for sid, tokens, context in zip(ids, window.tokens, contexts, strict=True):
+            for sid, tokens, context in zip(ids, part.tokens, contexts, strict=True):
                 stream: Any = batch.streams[sid]
                 # The engine computes the window's KV after the cache and
                 # stores it; the token it samples is not the reference's,
@@ -265,7 +319,8 @@ class GenerateResult:
             The title, the table and what its columns mean.
         """
         cfg = self.config
-        base = self.rows[0].speed
+        # Speeds against the uncompressed run of the same implementation.
+        bases = {_family(r.by): r.speed for r in self.rows if r.edit == "none"}
         headers = [
             "edit",
             "size",
@@ -291,14 +346,18 @@ class GenerateResult:
                 f"{r.exact:.2f}",
                 f"{r.speed.kv_tokens:.0f}",
                 f"{r.speed.end_tokens_per_s:.1f}",
-                _ratio(r.speed.end_tokens_per_s, base.end_tokens_per_s),
+                _ratio(r.speed.end_tokens_per_s, bases[_family(r.by)].end_tokens_per_s),
                 f"{r.speed.wall_s:.2f}",
-                _ratio(base.wall_s, r.speed.wall_s),
+                _ratio(bases[_family(r.by)].wall_s, r.speed.wall_s),
                 f"{r.speed.modify_s:.2f}",
                 "-" if r.thread_modify_s is None else f"{r.thread_modify_s:.2f}",
             ]
             for r in self.rows
         ]
+        if cfg.compare:
+            headers.insert(2, "by")
+            for row, r in zip(table, self.rows, strict=True):
+                row.insert(2, r.by)
         title = (
             f"lmcache-mp eval --generate {cfg.generate_tokens} --every "
             f"{cfg.every_tokens}: {cfg.engine}, {cfg.prompts} documents "
@@ -314,6 +373,13 @@ class GenerateResult:
             "none: against the uncompressed generation (above 1: faster); "
             "wall s: decode and the rounds' modifies"
         )
+        if cfg.compare:
+            note += (
+                "; kvpress: a DecodingPress around the edit's press, one "
+                "prompt at a time, compressing at the end of every --every-th "
+                "decoding step (so the next token is predicted before it); x "
+                "none against kvpress's own uncompressed run"
+            )
         return page(title, headers, table, note)
 
     def to_dict(self) -> dict[str, Any]:
@@ -324,7 +390,7 @@ class GenerateResult:
          "prompt_tokens": float,
          "rows": [{"edit", "size", "top1", "kl", "round_top1",
                    "round_kl", "common_prefix", "exact",
-                   "speed": {Speed fields}, "thread_modify_s"}, ...]}
+                   "speed": {Speed fields}, "thread_modify_s", "by"}, ...]}
         """
         return {
             "schema": GENERATE_SCHEMA,
@@ -342,6 +408,11 @@ class GenerateResult:
             OSError: If the file cannot be written.
         """
         write_json(path, self.to_dict())
+
+
+def _family(by: str) -> str:
+    """The implementation a row's ``by`` names: ``"lmcache_mp"`` or ``"kvpress"``."""
+    return by.split()[0]
 
 
 def _ratio(value: float, base: float) -> str:

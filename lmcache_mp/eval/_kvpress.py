@@ -30,11 +30,14 @@ from lmcache_mp._util.extras import import_extra
 
 __all__ = [
     "PRESSES",
+    "KvpressGeneration",
     "KvpressRun",
     "KvpressScores",
     "context_length",
     "counterpart",
+    "decoding_press",
     "kvpress_answers",
+    "kvpress_generation",
     "kvpress_scores",
     "make_press",
 ]
@@ -93,6 +96,29 @@ class KvpressScores:
     prefill_s: float
 
 
+@dataclass(frozen=True)
+class KvpressGeneration:
+    """One decoding press (or none) over the documents, compressing while
+    generating.
+
+    Args:
+        logprobs: For each prompt, ``[generate, V]`` float32
+            log-probabilities of the reference generation, teacher-forced
+            one token per forward (as a decoding press sees tokens).
+        outputs: Each prompt's free-running greedy generation.
+        wall_s: Wall time of the free-running generations.
+        end_tokens_per_s: Mean over prompts of ``1 /`` the mean time of a
+            decoding step over the last round (against the largest cache).
+        kv_tokens: Mean tokens in the cache after the last step.
+    """
+
+    logprobs: list[npt.NDArray[np.float32]]
+    outputs: list[list[int]]
+    wall_s: float
+    end_tokens_per_s: float
+    kv_tokens: float
+
+
 def make_press(edit: str, keep: float, seed: int = 0) -> Any:
     """kvpress's counterpart of ``edit``, keeping ``keep`` of the context.
 
@@ -135,6 +161,36 @@ def counterpart(edit: str | None, keep: float | None) -> tuple[Any, str]:
     if edit is None or keep is None:
         return None, "kvpress"
     return make_press(edit, keep), f"kvpress {PRESSES[edit]}"
+
+
+def decoding_press(edit: str, budget: int, every: int) -> tuple[Any, str]:
+    """kvpress's counterpart of ``edit`` compressing while generating, and
+    its rows' label: a ``DecodingPress`` around the edit's press that, every
+    ``every`` decoding steps, compresses the whole cache to ``budget``
+    tokens, as ``batch.decode(compress=edit, every=every)`` does with an
+    edit of that ``budget``.
+
+    Args:
+        edit: An lmcache_mp edit name, a key of :data:`PRESSES`.
+        budget: Tokens kept at each compression (``target_size``).
+        every: Decoding steps between compressions (``compression_interval``).
+
+    Returns:
+        ``(press, "kvpress DecodingPress(<Press>)")``.
+
+    Raises:
+        KeyError: If kvpress has no counterpart of ``edit``.
+        ImportError: Without ``kvpress`` (the ``compare`` extra).
+    """
+    kvpress = import_extra("kvpress", "compare")
+    # keep 1: the base press's own ratio stays 0, and DecodingPress sets the
+    # ratio that meets target_size at each compression.
+    press = kvpress.DecodingPress(
+        base_press=make_press(edit, 1.0),
+        compression_interval=every,
+        target_size=budget,
+    )
+    return press, f"kvpress DecodingPress({PRESSES[edit]})"
 
 
 def context_length(prompt_tokens: int, chunk_size: int) -> int:
@@ -237,6 +293,83 @@ def kvpress_scores(
     return KvpressScores(logprobs, sum(kept) / len(kept), prefill_s)
 
 
+def kvpress_generation(
+    engine: Any,
+    prompts: Sequence[Sequence[int]],
+    references: Sequence[Sequence[int]],
+    press: Any,
+    every: int,
+) -> KvpressGeneration:
+    """Generate after each prompt with ``press`` (a decoding press) around
+    the whole generation: teacher-forced along each reference generation,
+    then free-running, as the eval's ``--generate`` scores an edit.
+
+    The prompt is prefilled whole (a decoding press leaves the prefill
+    alone), then one token per forward at its uncompressed position; the
+    press compresses at the end of every ``every``-th such forward, so the
+    token after a compression is predicted before it, where a stream's
+    round is scored after its modify.
+
+    Args:
+        engine: The eval's :class:`~lmcache_mp.engine.HFEngine`.
+        prompts: The prompts' token ids.
+        references: Each prompt's uncompressed greedy generation (all of the
+            same length, at least one token).
+        press: A decoding press, or ``None`` for the uncompressed model.
+        every: Tokens of the last round, for ``end_tokens_per_s``.
+
+    Returns:
+        The run.
+
+    Raises:
+        ImportError: Without ``transformers`` (the ``model`` extra).
+    """
+    logprobs, outputs, ends, kv, wall = [], [], [], [], 0.0
+    steps = len(references[0])
+    last = steps - (steps - 1) // every * every
+    with _pressing(engine, press):
+        for prompt, reference in zip(prompts, references, strict=True):
+            rows, _, _ = _decode(engine, prompt, press, steps, reference)
+            logprobs.append(rows.log_softmax(dim=-1).numpy())
+            begin = time.perf_counter()
+            rows, gaps, cache = _decode(engine, prompt, press, steps, None)
+            wall += time.perf_counter() - begin
+            outputs.append([int(t) for t in rows.argmax(dim=-1)])
+            tail = gaps[len(gaps) - max(1, last - 1) :]
+            ends.append(len(tail) / sum(tail) if tail else 0.0)
+            kv.append(float(cache.get_seq_length()))
+    return KvpressGeneration(
+        logprobs, outputs, wall, float(np.mean(ends)), float(np.mean(kv))
+    )
+
+
+def _decode(
+    engine: Any,
+    prompt: Sequence[int],
+    press: Any,
+    steps: int,
+    forced: Sequence[int] | None,
+) -> tuple[Any, list[float], Any]:
+    """Prefill ``prompt``, then decode ``steps`` tokens one forward each,
+    ``press`` around it all: the ``[steps, V]`` float32 logits, each
+    step's wall time after the prefill, and the cache. The tokens fed are
+    ``forced``'s, or the greedy ones where it is ``None``."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=engine.model.config)
+    rows, gaps = [], []
+    with contextlib.nullcontext() if press is None else press(engine.model):
+        rows.append(engine.forward(prompt, 0, cache, 1).logits[0, -1].float())
+        for step in range(steps - 1):
+            token = int(rows[-1].argmax()) if forced is None else forced[step]
+            begin = time.perf_counter()
+            out = engine.forward([token], len(prompt) + step, cache, 1)
+            gaps.append(time.perf_counter() - begin)
+            rows.append(out.logits[0, -1].float())
+    return torch.stack(rows), gaps, cache
+
+
 def _prefill(
     engine: Any, prompt: Sequence[int], press: Any, chunk_size: int
 ) -> tuple[Any, int, float]:
@@ -265,7 +398,11 @@ def _pressing(engine: Any, press: Any) -> Iterator[None]:
 
     with (
         torch.inference_mode(),
-        _attention(engine.model, type(press).__name__ in _EAGER),
+        # A decoding press needs what the press it wraps needs.
+        _attention(
+            engine.model,
+            type(getattr(press, "base_press", press)).__name__ in _EAGER,
+        ),
     ):
         yield
 
