@@ -136,6 +136,16 @@ def test_single_needle_tasks_differ_in_haystack_and_value(
     assert (first_sentence in task.text) is prose
 
 
+@pytest.mark.parametrize("name", TASKS)
+def test_a_prompt_ends_with_its_question(name: str) -> None:
+    """Each prompt's text ends with its question, which starts after the
+    haystack on a new line and states none of the answers."""
+    for task in make_tasks(name, words, 256, 3):
+        assert task.question.startswith("\n") and task.text.endswith(task.question)
+        assert len(task.question) < len(task.text) // 2
+        assert not any(answer in task.question for answer in task.answers)
+
+
 def test_variable_tracking_chains_its_answers_in_order() -> None:
     """vt's answers are the chain's variables: the first is assigned the
     number, each next one the previous one, in the order they appear."""
@@ -355,6 +365,32 @@ def test_task_flags_set_their_fields() -> None:
         60,
     )
     assert EvalConfig(tasks=("vt",)).sample_count == 385
+
+
+def test_an_uncompressed_question_is_sent_after_the_modify() -> None:
+    """With compress_question=False the streams hold the context alone and
+    are sent the question after the modify: uncompressed, they answer as
+    streams prefilled with the whole prompt (the same tokens reach the
+    model), and an edit keeping every token changes nothing."""
+    fields = {**TOY_TASKS, "edits": ("knorm",), "min_accuracy": 0.0}
+    whole = evaluate(EvalConfig(**fields))
+    apart = evaluate(EvalConfig(compress_question=False, **fields))
+    assert isinstance(whole, TasksResult) and isinstance(apart, TasksResult)
+    assert [r.scores for r in apart.rows if r.edit == "none"] == [
+        r.scores for r in whole.rows if r.edit == "none"
+    ]
+    assert whole.tokens == apart.tokens
+    for row in apart.rows:
+        if row.keep == 1.0:
+            assert row.change is not None
+            assert (row.change.low, row.change.high) == (0.0, 0.0)
+
+
+def test_a_question_apart_needs_tasks() -> None:
+    """compress_question=False without tasks raises ValueError: only a
+    task's prompt has a question apart from its context."""
+    with pytest.raises(ValueError, match="compress_question=False needs"):
+        EvalConfig(compress_question=False)
 
 
 @pytest.mark.parametrize(

@@ -225,6 +225,14 @@ def add_eval_parser(
         help="with --tasks: the uncompressed accuracy a cell needs for the "
         f"edits to run on it (default: {d.min_accuracy:g})",
     )
+    tasks.add_argument(
+        "--compress-question",
+        action=argparse.BooleanOptionalAction,
+        default=d.compress_question,
+        help="with --tasks: compress the question with the context (the "
+        "default), or send it after the modify (--no-compress-question, as "
+        "kvpress's pipeline does)",
+    )
     p.add_argument(
         "--compare",
         type=name_list("implementation", COMPARE),
@@ -288,6 +296,7 @@ def eval_config_from_args(
             lengths=args.length,
             samples=args.samples,
             min_accuracy=args.min_accuracy,
+            compress_question=args.compress_question,
             compare=args.compare,
         )
     except ValueError as exc:

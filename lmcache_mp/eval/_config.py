@@ -95,6 +95,12 @@ class EvalConfig:
             enough for a 95% interval of at most 5 points each side).
         min_accuracy: With ``tasks``, the uncompressed accuracy a cell
             needs for the edits to run on it.
+        compress_question: With ``tasks``, whether the question is part of
+            what the edits compress (the whole prompt is prefilled, then
+            modified). ``False``: each stream is prefilled with the context
+            alone and the question is sent after the modify, as kvpress's
+            pipeline and RULER's leaderboards run a context and a question
+            (question-agnostic compression).
         compare: Other implementations to run beside the edits, on the
             documents and passkeys or on the tasks: ``("kvpress",)`` runs
             NVIDIA kvpress's counterpart of each edit that has one
@@ -129,6 +135,7 @@ class EvalConfig:
     lengths: tuple[int, ...] = (1024,)
     samples: int | None = None
     min_accuracy: float = 0.8
+    compress_question: bool = True
     compare: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -225,6 +232,11 @@ class EvalConfig:
         if not 0.0 <= self.min_accuracy <= 1.0:
             raise ValueError(
                 f"EvalConfig.min_accuracy must be in [0, 1], got {self.min_accuracy!r}"
+            )
+        if not self.compress_question and not self.tasks:
+            raise ValueError(
+                "EvalConfig.compress_question=False needs EvalConfig.tasks: "
+                "only a task's prompt has a question apart from its context"
             )
         if self.tasks and (self.generate is not None or self.server is not None):
             raise ValueError(

@@ -100,6 +100,9 @@ class _Eval:
             config.prompts, config.haystack_lines, config.seed
         )
         self.haystacks = [model.encode(p.text) for p in self.passkeys]
+        #: Each task prompt's question tokens, by its text, where the
+        #: question is sent after the modify (``compress_question=False``).
+        self._questions: dict[str, list[int]] = {}
         self.reference = Reference([], [])
         self.streams: dict[str, request.LMCacheRequestStream] = {}
 
@@ -209,7 +212,12 @@ class _Eval:
             engine, self.documents, self.reference.tokens, press, cfg.chunk_size
         )
         answered = kvpress_answers(
-            engine, self.haystacks, press, cfg.answer_tokens, cfg.chunk_size
+            engine,
+            self.haystacks,
+            [[] for _ in self.haystacks],
+            press,
+            cfg.answer_tokens,
+            cfg.chunk_size,
         )
         agreed = agreement_of(self.reference, scored.logprobs)
         docs, keys = len(self.documents), len(self.haystacks)
@@ -381,10 +389,17 @@ class _Eval:
                     tasks = make_tasks(
                         name, self.model.encode, length, cfg.sample_count, cfg.seed
                     )
-                    prompts = [self.model.encode(t.text) for t in tasks]
+                    prompts = [self._prompt(t) for t in tasks]
                     ids = self._add(self.batch, prompts, "", len(self.contexts))
                     scores, answer_s = self._answers(ids, tasks)
-                tokens[f"{name}@{length}"] = float(np.mean([len(p) for p in prompts]))
+                tokens[f"{name}@{length}"] = float(
+                    np.mean(
+                        [
+                            len(p) + len(self._question(t))
+                            for p, t in zip(prompts, tasks, strict=True)
+                        ]
+                    )
+                )
                 row = TaskRow(
                     name,
                     length,
@@ -458,6 +473,7 @@ class _Eval:
             run = kvpress_answers(
                 self.model.engine,
                 prompts,
+                [self._question(t) for t in tasks],
                 press,
                 ANSWER_TOKENS[base.task],
                 self.config.chunk_size,
@@ -477,9 +493,35 @@ class _Eval:
             run.answer_s,
         )
 
+    def _prompt(self, task: Task) -> list[int]:
+        """What a task's stream is prefilled with: its whole prompt, or
+        without ``compress_question`` its context alone, the question's
+        tokens kept (by the prompt's text) for :meth:`_answers` to send."""
+        whole = self.model.encode(task.text)
+        if self.config.compress_question:
+            return whole
+        context = self.model.encode(task.text[: len(task.text) - len(task.question)])
+        # The question's tokens as they are in the whole prompt, where the
+        # context's tokens are its prefix (a tokenizer merges nothing across
+        # the line break the question starts with); else on their own.
+        if whole[: len(context)] == context:
+            question = whole[len(context) :]
+        else:
+            question = self.model.encode(task.question)
+        self._questions[task.text] = question
+        return context
+
+    def _question(self, task: Task) -> list[int]:
+        """The tokens sent after the modify: none unless the question is
+        left out of what the edits compress."""
+        return self._questions.get(task.text, [])
+
     def _answers(self, ids: list[str], tasks: list[Task]) -> tuple[list[float], float]:
-        """Decode each stream's greedy answer; each task's score of it, and
-        the decode phase's wall time in seconds."""
+        """Decode each stream's greedy answer, the question sent first
+        where the streams hold the context alone; each task's score of it,
+        and the decode phase's wall time in seconds."""
+        for sid, task in zip(ids, tasks, strict=True):
+            self.streams[sid].state.suffix.extend(self._question(task))
         begin = time.perf_counter()
         self.batch.decode(
             {**_GREEDY, "max_tokens": ANSWER_TOKENS[tasks[0].name]}, stream_ids=ids

@@ -212,6 +212,7 @@ def context_length(prompt_tokens: int, chunk_size: int) -> int:
 def kvpress_answers(
     engine: Any,
     prompts: Sequence[Sequence[int]],
+    questions: Sequence[Sequence[int]],
     press: Any,
     answer_tokens: int,
     chunk_size: int,
@@ -220,7 +221,10 @@ def kvpress_answers(
 
     Args:
         engine: The eval's :class:`~lmcache_mp.engine.HFEngine`.
-        prompts: The prompts' token ids.
+        prompts: The prompts' token ids, as the streams are prefilled.
+        questions: Tokens sent after each prompt, uncompressed (the
+            question a stream is sent after its modify; empty where the
+            prompt holds it).
         press: A kvpress press, or ``None`` for the uncompressed model.
         answer_tokens: Tokens decoded as each answer (EOS ignored, as the
             eval's own greedy answers do).
@@ -234,14 +238,15 @@ def kvpress_answers(
     """
     answers, kept, prefill_s, answer_s = [], [], 0.0, 0.0
     with _pressing(engine, press):
-        for prompt in prompts:
+        for prompt, question in zip(prompts, questions, strict=True):
             cache, context, seconds = _prefill(engine, prompt, press, chunk_size)
             answered = time.perf_counter()
             prefill_s += seconds
             kept.append(_kept(cache, len(prompt), context))
-            # The rest of the prompt, then the answer, at the positions they
-            # have in the uncompressed prompt (kvpress's generate_answer).
-            position, tokens = context, list(prompt[context:])
+            # The rest of the prompt and the question, then the answer, at
+            # the positions they have uncompressed (kvpress's
+            # generate_answer).
+            position, tokens = context, [*prompt[context:], *question]
             answer: list[int] = []
             for _ in range(answer_tokens):
                 out = engine.forward(tokens, position, cache, 1)

@@ -30,6 +30,7 @@ would pass it. :meth:`Task.score` checks a decoded answer.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import re
@@ -65,6 +66,9 @@ _COMMON, _COMMON_TIMES, _RARE_TIMES = 10, 10, 2
 #: Words the frequent-words task asks for.
 _FREQUENT = 3
 #: Syllables of the made-up words (keys, list words, coded words).
+#: A task's builder: the (context, question, answers) of ``n`` pieces of
+#: haystack.
+_Build = Callable[[int], tuple[str, str, tuple[str, ...]]]
 _SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
 
 #: The prose haystack's pieces: the documents' sentences, in order.
@@ -83,12 +87,15 @@ class Task:
         answers: What the answer must contain: numbers (the needle tasks)
             or words (``vt``, ``cwe``, ``fwe``).
         tokens: Tokens of ``text`` under the tokenizer it was sized with.
+        question: The end of ``text`` that asks for the answer (after the
+            haystack; ``text`` without it is the context).
     """
 
     name: str
     text: str
     answers: tuple[str, ...]
     tokens: int
+    question: str = ""
 
     def score(self, answer: str) -> float:
         """The share of :attr:`answers` that ``answer`` states.
@@ -144,9 +151,7 @@ def _haystack(
     return "".join(lines)
 
 
-def _niah(
-    name: str, rng: random.Random
-) -> Callable[[int], tuple[str, tuple[str, ...]]]:
+def _niah(name: str, rng: random.Random) -> _Build:
     """A needle task: the text for ``n`` pieces of haystack, and its answers."""
     keys = [f"{_word(rng, 2)}-{_word(rng, 2)}" for _ in range(_NEEDLES)]
     kind = "uuid" if name == "niah_single_3" else "number"
@@ -184,13 +189,13 @@ def _niah(
     )
     prose = name in ("niah_single_2", "niah_single_3")
 
-    def build(n: int) -> tuple[str, tuple[str, ...]]:
-        return intro + _haystack(n, needles, depths, prose) + question, answers
+    def build(n: int) -> tuple[str, str, tuple[str, ...]]:
+        return intro + _haystack(n, needles, depths, prose), question, answers
 
     return build
 
 
-def _vt(rng: random.Random) -> Callable[[int], tuple[str, tuple[str, ...]]]:
+def _vt(rng: random.Random) -> _Build:
     names = [_variable(rng) for _ in range(_HOPS)]
     value = str(rng.randint(10_000, 99_999))
     chain = [f"VAR {names[0]} = {value}."] + [
@@ -209,13 +214,13 @@ def _vt(rng: random.Random) -> Callable[[int], tuple[str, tuple[str, ...]]]:
         f"value {value}, they are:"
     )
 
-    def build(n: int) -> tuple[str, tuple[str, ...]]:
-        return intro + _haystack(n, chain, depths) + question, tuple(names)
+    def build(n: int) -> tuple[str, str, tuple[str, ...]]:
+        return intro + _haystack(n, chain, depths), question, tuple(names)
 
     return build
 
 
-def _cwe(rng: random.Random) -> Callable[[int], tuple[str, tuple[str, ...]]]:
+def _cwe(rng: random.Random) -> _Build:
     words = list(dict.fromkeys(_word(rng) for _ in range(4096)))
     common, rare = words[:_COMMON], words[_COMMON:]
     order = rng.random()
@@ -229,16 +234,16 @@ def _cwe(rng: random.Random) -> Callable[[int], tuple[str, tuple[str, ...]]]:
         "list are:"
     )
 
-    def build(n: int) -> tuple[str, tuple[str, ...]]:
+    def build(n: int) -> tuple[str, str, tuple[str, ...]]:
         listed = common * _COMMON_TIMES + rare[:n] * _RARE_TIMES
         random.Random(order).shuffle(listed)
         body = " ".join(f"{i}. {w}" for i, w in enumerate(listed, 1))
-        return intro + body + question, tuple(common)
+        return intro + body, question, tuple(common)
 
     return build
 
 
-def _fwe(rng: random.Random) -> Callable[[int], tuple[str, tuple[str, ...]]]:
+def _fwe(rng: random.Random) -> _Build:
     words = list(dict.fromkeys(_word(rng, 2) for _ in range(2048)))
     order = rng.random()
     intro = (
@@ -252,7 +257,7 @@ def _fwe(rng: random.Random) -> Callable[[int], tuple[str, tuple[str, ...]]]:
         "three most frequently appeared words are:"
     )
 
-    def build(n: int) -> tuple[str, tuple[str, ...]]:
+    def build(n: int) -> tuple[str, str, tuple[str, ...]]:
         # Zipf's law with exponent 2, as RULER draws them: the word of rank
         # r appears n // r^2 times (at least once), so the top three stand
         # apart from the rest.
@@ -260,27 +265,24 @@ def _fwe(rng: random.Random) -> Callable[[int], tuple[str, tuple[str, ...]]]:
         counts = [max(1, n // (r * r)) for r in range(1, ranks + 1)]
         coded = [w for w, c in zip(words, counts, strict=False) for _ in range(c)]
         random.Random(order).shuffle(coded)
-        return intro + " ".join(coded) + " ...." + question, tuple(words[:_FREQUENT])
+        return intro + " ".join(coded) + " ....", question, tuple(words[:_FREQUENT])
 
     return build
 
 
-def _builder(
-    name: str, rng: random.Random
-) -> Callable[[int], tuple[str, tuple[str, ...]]]:
+def _builder(name: str, rng: random.Random) -> _Build:
     if name.startswith("niah"):
         return _niah(name, rng)
     return {"vt": _vt, "cwe": _cwe, "fwe": _fwe}[name](rng)
 
 
-def _fit(
-    build: Callable[[int], tuple[str, tuple[str, ...]]], encode: Encode, length: int
-) -> Task | None:
+def _fit(build: _Build, encode: Encode, length: int) -> Task | None:
     """The largest ``build(n)`` of at most ``length`` tokens (``None`` when
     even the smallest is longer)."""
 
     def size(n: int) -> int:
-        return len(encode(build(n)[0]))
+        context, question, _ = build(n)
+        return len(encode(context + question))
 
     if size(1) > length:
         return None
@@ -290,8 +292,8 @@ def _fit(
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if size(mid) <= length else (low, mid)
-    text, answers = build(low)
-    return Task("", text, answers, size(low))
+    context, question, answers = build(low)
+    return Task("", context + question, answers, size(low), question)
 
 
 def make_tasks(
@@ -331,5 +333,5 @@ def make_tasks(
                 f"task {name}: {length} tokens do not fit its instructions and "
                 "question; give a longer length"
             )
-        tasks.append(Task(name, fitted.text, fitted.answers, fitted.tokens))
+        tasks.append(dataclasses.replace(fitted, name=name))
     return tasks
