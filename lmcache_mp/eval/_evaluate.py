@@ -392,14 +392,7 @@ class _Eval:
                     prompts = [self._prompt(t) for t in tasks]
                     ids = self._add(self.batch, prompts, "", len(self.contexts))
                     scores, answer_s = self._answers(ids, tasks)
-                tokens[f"{name}@{length}"] = float(
-                    np.mean(
-                        [
-                            len(p) + len(self._question(t))
-                            for p, t in zip(prompts, tasks, strict=True)
-                        ]
-                    )
-                )
+                tokens[f"{name}@{length}"] = float(np.mean([t.tokens for t in tasks]))
                 row = TaskRow(
                     name,
                     length,

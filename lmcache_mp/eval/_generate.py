@@ -39,8 +39,12 @@ __all__ = [
     "GenerateRow",
     "Speed",
     "common_prefix",
+    "end_speed",
     "free_running",
+    "generate_row",
+    "last_round",
     "teacher_forced",
+    "window",
 ]
 
 #: The ``schema`` of :meth:`GenerateResult.to_dict`.
@@ -153,6 +157,23 @@ def generate_row(
     )
 
 
+def last_round(total: int, every: int) -> int:
+    """Tokens of the last round of ``total`` generated ``every`` at a time."""
+    return total - (total - 1) // every * every
+
+
+def end_speed(gaps: list[float], last: int) -> float:
+    """One stream's decode speed over its last round: ``1 /`` the mean gap
+    between that round's ``last`` tokens (its TPOT), 0 without a gap.
+
+    Args:
+        gaps: The gaps between consecutive generated tokens, in seconds.
+        last: Tokens of the last round (:func:`last_round`).
+    """
+    tail = gaps[len(gaps) - max(1, last - 1) :]
+    return 1 / statistics.fmean(tail) if tail else 0.0
+
+
 def window(reference: Reference, begin: int, every: int) -> Reference:
     """The reference's tokens ``begin .. begin + every - 1``: one round."""
     return Reference(
@@ -207,13 +228,11 @@ def free_running(
         )
         modify_s = float(metrics["compression"]["modify_s"])
     decode_s = float(metrics["results"]["duration"])
-    # The last round's tokens: its gaps between tokens are its TPOT.
-    last = total - (total - 1) // every * every
+    last = last_round(total, every)
     ends, kv = [], []
     for sid in ids:
         perf = batch.perf_metrics[sid]
-        gaps = perf.tpot[len(perf.tpot) - max(1, last - 1) :]
-        ends.append(1 / statistics.fmean(gaps) if gaps else 0.0)
+        ends.append(end_speed(perf.tpot, last))
         rounds = [r[sid] for r in batch.round_metrics if sid in r] if edit else []
         # What the last token attended to: the cache the last round left
         # (or the prompt) and the tokens decoded since.

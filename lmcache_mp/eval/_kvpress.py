@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lmcache_mp._util.extras import import_extra
+from lmcache_mp.eval._generate import end_speed, last_round
 
 __all__ = [
     "PRESSES",
@@ -331,7 +332,7 @@ def kvpress_generation(
     """
     logprobs, outputs, ends, kv, wall = [], [], [], [], 0.0
     steps = len(references[0])
-    last = steps - (steps - 1) // every * every
+    last = last_round(steps, every)
     with _pressing(engine, press):
         for prompt, reference in zip(prompts, references, strict=True):
             rows, _, _ = _decode(engine, prompt, press, steps, reference)
@@ -340,8 +341,7 @@ def kvpress_generation(
             rows, gaps, cache = _decode(engine, prompt, press, steps, None)
             wall += time.perf_counter() - begin
             outputs.append([int(t) for t in rows.argmax(dim=-1)])
-            tail = gaps[len(gaps) - max(1, last - 1) :]
-            ends.append(len(tail) / sum(tail) if tail else 0.0)
+            ends.append(end_speed(gaps, last))
             kv.append(float(cache.get_seq_length()))
     return KvpressGeneration(
         logprobs, outputs, wall, float(np.mean(ends)), float(np.mean(kv))
