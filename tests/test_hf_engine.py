@@ -179,7 +179,7 @@ def test_the_kv_is_vllms_layout_with_keys_after_rope(
     """The stored KV is [2, L, T, kv_heads*head_dim] in the model's dtype; layer 0's keys are RoPE'd at their positions, values are not."""
     engine = engine_over(model_engine, stores[0])
     prompt = engine.encode(TEXT, chat=False)
-    run(engine, prompt, {"max_tokens": 1})
+    run(engine, prompt, {**GREEDY, "max_tokens": 1})
     kv = stores[0].retrieve(prompt)
     assert kv is not None
     layers, _, kv_heads, head_dim = engine.layout
@@ -202,7 +202,7 @@ def test_recorded_queries_are_post_rope_and_chunk_aligned(
     kv_ctx, q_ctx = stores
     engine = engine_over(model_engine, kv_ctx, q_ctx)
     prompt = engine.encode(TEXT, chat=False)
-    run(engine, prompt, {"max_tokens": 1})
+    run(engine, prompt, {**GREEDY, "max_tokens": 1})
     first = q_ctx.retrieve(prompt)
     assert first is not None
     layers, q_heads, _, head_dim = engine.layout
@@ -215,7 +215,7 @@ def test_recorded_queries_are_post_rope_and_chunk_aligned(
     )
     np.testing.assert_allclose(first[0, 0], as_rows(queries), rtol=1e-4, atol=1e-4)
     longer = prompt + engine.encode(" a centre of trade for the region.", chat=False)
-    run(engine, longer, {"max_tokens": 1})
+    run(engine, longer, {**GREEDY, "max_tokens": 1})
     second = q_ctx.retrieve(longer)
     assert second is not None and second.shape[2] == len(longer) // CHUNK * CHUNK
     np.testing.assert_array_equal(second[:, :, :cached], first)
@@ -385,7 +385,7 @@ def test_a_key_rerotated_to_another_position_is_its_key_there(
     at_5 = [*range(200, 205), token, *range(300, 300 + 2 * CHUNK - 6)]
     at_20 = [*range(400, 420), token, *range(500, 500 + 2 * CHUNK - 21)]
     for prompt in (at_5, at_20):
-        run(engine, prompt, {"max_tokens": 1})
+        run(engine, prompt, {**GREEDY, "max_tokens": 1})
     kv_5, kv_20 = kv_ctx.retrieve(at_5), kv_ctx.retrieve(at_20)
     assert kv_5 is not None and kv_20 is not None
     moved = rerotate_keys(kv_5[:, :, [5]], [5], [20], engine.attention)
