@@ -159,6 +159,27 @@ def ref_tova(kv: np.ndarray, q: np.ndarray, c: AttentionConfig, count: int) -> s
     return top({t: score[t] for t in range(total - 1)}, count - 1) | {total - 1}
 
 
+def ref_tova_union(
+    kv: np.ndarray, q: np.ndarray, c: AttentionConfig, count: int
+) -> set[int]:
+    """Each layer's own ranking of the tokens before the last (by its heads'
+    mean last-query attention); a token's best rank in any layer decides,
+    equal best ranks by the mean over layers."""
+    total = kv.shape[2]
+    layer_scores = np.zeros((LAYERS, total))
+    for layer, qh, kh in per_query_head(kv, q, c):
+        layer_scores[layer] += causal_attention(qh, kh)[-1] / c.q_heads
+    middle = range(total - 1)
+    best = {}
+    for t in middle:
+        ranks = [
+            sorted(middle, key=lambda p, s=layer_scores[layer]: -s[p]).index(t)
+            for layer in range(LAYERS)
+        ]
+        best[t] = (min(ranks), -layer_scores[:, t].mean())
+    return set(sorted(middle, key=lambda p: best[p])[: count - 1]) | {total - 1}
+
+
 def ref_h2o(kv: np.ndarray, q: np.ndarray, c: AttentionConfig, count: int) -> set[int]:
     total = kv.shape[2]
     recent = max(1, math.floor(0.5 * count + 0.5))
@@ -284,6 +305,51 @@ def test_tova_keeps_what_the_last_query_attends_to(
     kv, q = tensors(config, seed=1)
     _, kept, _ = run("tova", kv, q, budget=budget, attention=config)
     assert set(kept) == ref_tova(kv, q, config, budget)
+
+
+@pytest.mark.parametrize("config", [GQA, MHA], ids=["gqa", "mha"])
+@pytest.mark.parametrize("budget", [8, 20])
+def test_tova_union_keeps_each_layers_top_tokens(
+    config: AttentionConfig, budget: int
+) -> None:
+    """tova with across_layers="union" keeps the last token and, by best
+    rank in any layer, the tokens each layer's last query attends to most."""
+    kv, q = tensors(config, seed=1)
+    _, kept, _ = run(
+        "tova", kv, q, budget=budget, attention=config, across_layers="union"
+    )
+    assert set(kept) == ref_tova_union(kv, q, config, budget)
+
+
+def test_tova_union_keeps_a_token_one_layer_alone_attends_to() -> None:
+    """A key only the first layer's last query attends to (its attention
+    diluted in the mean over layers) is kept under "union", not "mean"."""
+    kv, q = tensors(MHA, seed=4)
+    d = MHA.head_dim
+    # Layer 0: every head's last query gives key 5 about a third of its
+    # attention; layers 1 and 2 give keys 10-13 about a quarter each, which
+    # outweighs key 5 in the mean over layers.
+    direction = np.ones(d, dtype=np.float32)
+    for h in range(MHA.q_heads):
+        q[0, 0, -1, h * d : (h + 1) * d] = 1.4 * direction
+        kv[0, 0, :, h * d : (h + 1) * d] *= 0.1
+        kv[0, 0, 5, h * d : (h + 1) * d] = direction
+    for layer in range(1, LAYERS):
+        for h in range(MHA.q_heads):
+            q[0, layer, -1, h * d : (h + 1) * d] = 3 * direction
+            kv[0, layer, :, h * d : (h + 1) * d] *= 0.1
+            kv[0, layer, 10:14, h * d : (h + 1) * d] = direction
+    _, mean_kept, _ = run("tova", kv, q, budget=5, attention=MHA)
+    _, union_kept, _ = run(
+        "tova", kv, q, budget=5, attention=MHA, across_layers="union"
+    )
+    assert 5 not in mean_kept and 5 in union_kept
+
+
+def test_tova_refuses_an_unknown_layer_merge() -> None:
+    """across_layers other than "mean" or "union" raises ValueError naming it."""
+    with pytest.raises(ValueError, match="'across_layers'"):
+        make_edit("tova", across_layers="max")
 
 
 @pytest.mark.parametrize("config", [GQA, MHA], ids=["gqa", "mha"])

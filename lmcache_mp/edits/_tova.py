@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -13,7 +13,10 @@ from lmcache_mp.edits._queries import QueryDrop, attention_probs
 from lmcache_mp.edits._scored import EndsDrop
 from lmcache_mp.hints import releases_gil
 
-__all__ = ["TOVA"]
+__all__ = ["ACROSS_LAYERS", "TOVA"]
+
+#: The values of :attr:`TOVA.across_layers`.
+ACROSS_LAYERS = ("mean", "union")
 
 
 @releases_gil
@@ -27,8 +30,13 @@ class TOVA(QueryDrop, EndsDrop):
     keys), decides what stays. The last prompt position's query is scored
     against every key in each layer and query head (grouped onto its KV
     head with ``attention``); TOVA averages the weights over the heads of a
-    layer, and the averages are also averaged over layers here, so that the
-    stream keeps one token subset. The first ``keep_first`` (none by
+    layer and keeps one subset per layer (as kvpress's ``TOVAPress`` does);
+    a stream keeps one token subset for all layers, merged from the layers'
+    scores by ``across_layers``: ``"mean"`` averages them, ``"union"``
+    ranks the tokens within each layer and gives each token its best rank
+    in any layer (equal ranks by the mean), so that the kept tokens are the
+    union of every layer's own top tokens, as far as the budget goes. The
+    first ``keep_first`` (none by
     default) and the last ``keep_last`` tokens (by default the last one:
     the query's own) are always kept, and the highest-scored tokens
     between, so that the budget is met exactly; of equal scores the later
@@ -47,6 +55,8 @@ class TOVA(QueryDrop, EndsDrop):
         attention: The model's attention shape and RoPE (GQA; rerotate).
         keep_first: Leading tokens always kept.
         keep_last: Trailing tokens always kept.
+        across_layers: How the layers' scores make one subset: ``"mean"``
+            or ``"union"`` (default ``"mean"``).
 
     Raises:
         ValueError: If a parameter is out of range; the message names it.
@@ -56,24 +66,54 @@ class TOVA(QueryDrop, EndsDrop):
 
     keep_first: int = 0
     keep_last: int = 1
+    across_layers: Literal["mean", "union"] = "mean"
+
+    def __post_init__(self) -> None:
+        """Check the parameters.
+
+        Raises:
+            ValueError: If a parameter is out of range; the message names it.
+        """
+        super().__post_init__()
+        if self.across_layers not in ACROSS_LAYERS:
+            raise ValueError(
+                f"{type(self).__name__}: parameter 'across_layers' must be one "
+                f"of {', '.join(map(repr, ACROSS_LAYERS))}, got "
+                f"{self.across_layers!r}"
+            )
 
     def _select(
         self, kv: npt.NDArray[Any], queries: npt.NDArray[Any], tokens: list[int]
     ) -> EditResult:
         return self.keep_ends_and_top(
-            kv, tokens, lambda lo, hi: self._scores(kv, queries)[lo:hi]
+            kv, tokens, lambda lo, hi: self._priority(kv, queries, lo, hi)
         )
 
-    def _scores(
+    def _priority(
+        self, kv: npt.NDArray[Any], queries: npt.NDArray[Any], lo: int, hi: int
+    ) -> npt.NDArray[np.float64]:
+        """The keep-priority of tokens ``lo..hi-1``, from each layer's scores."""
+        layers = self._layer_scores(kv, queries)[:, lo:hi]
+        mean: npt.NDArray[np.float64] = layers.mean(axis=0)
+        if self.across_layers == "mean":
+            return mean
+        # Rank 0 is a layer's best token; a token's priority is its best
+        # rank in any layer, and of equal ranks the higher mean goes first
+        # (the mean, scaled into [0, 1), only orders tokens within a rank).
+        ranks = np.argsort(np.argsort(-layers, axis=1, kind="stable"), axis=1)
+        tiebreak = mean / (2.0 * mean.max()) if mean.max() > 0 else mean
+        priority: npt.NDArray[np.float64] = tiebreak - ranks.min(axis=0)
+        return priority
+
+    def _layer_scores(
         self, kv: npt.NDArray[Any], queries: npt.NDArray[Any]
     ) -> npt.NDArray[np.float64]:
         """The last query's attention to each of the ``T`` keys, averaged
-        over query heads and layers."""
+        over a layer's query heads: ``[L, T]``."""
         total = kv.shape[2]
-        scores = np.zeros(total, dtype=np.float64)
+        scores = np.empty((kv.shape[1], total), dtype=np.float64)
         for layer in range(kv.shape[1]):
             k, q = self.split_heads(kv[0, layer], queries[0, layer, -1:])
             probs = attention_probs(q, k, np.array([total - 1]))
-            scores += probs.mean(axis=(0, 1, 2))
-        scores /= kv.shape[1]
+            scores[layer] = probs.mean(axis=(0, 1, 2))
         return scores
