@@ -52,7 +52,11 @@ OWNER = textwrap.dedent(
             raise RuntimeError("the owner fails")
         if HOW == "exit":
             sys.exit(0)
-        time.sleep(120)
+        # Short sleeps: a signal's Python handler runs between them even
+        # where the kernel gave the signal to one of the pool's threads,
+        # which does not interrupt a long sleep of the main thread.
+        for _ in range(1200):
+            time.sleep(0.1)
 
     def slow_edit(kv, tokens):
         reached("modify")
