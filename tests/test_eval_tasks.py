@@ -7,12 +7,14 @@ import collections
 import itertools
 import math
 import re
+from typing import Any
 
 import numpy as np
 import pytest
 
 from lmcache_mp.__main__ import build_parser
 from lmcache_mp._harness.prompts import DOCUMENTS, FILLER
+from lmcache_mp.batch import LMCacheBatchedStream
 from lmcache_mp.eval import EvalConfig, TasksResult, evaluate
 from lmcache_mp.eval._cli import eval_config_from_args
 from lmcache_mp.eval._intervals import bootstrap, samples_for
@@ -287,8 +289,8 @@ def scored() -> TasksResult:
 
 
 def test_every_edit_and_keep_runs_on_every_scored_cell(scored: TasksResult) -> None:
-    """The uncompressed row of each cell comes first, then one row per
-    edit, keep and cell, each over the cell's samples."""
+    """Each cell's uncompressed row comes first, then one row per edit and
+    keep on it, each over the cell's samples."""
     cells = [(r.task, r.length) for r in scored.rows if r.edit == "none"]
     assert cells == [("niah_single", 160), ("vt", 160)]
     edited = [(r.edit, r.keep, r.task) for r in scored.rows if r.edit != "none"]
@@ -409,3 +411,47 @@ def test_bad_task_options_are_refused(fields: dict[str, object], needle: str) ->
     tasks with a generation raise ValueError naming the problem."""
     with pytest.raises(ValueError, match=needle):
         EvalConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_cells_are_scored_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cell's uncompressed streams leave the batch (and its pins on their
+    KV) before the next cell's are added, so that the store holds one
+    cell's KV at a time; each cell's rows come together."""
+    events: list[tuple[str, str]] = []
+    add, remove = LMCacheBatchedStream.add, LMCacheBatchedStream.remove
+
+    def spy_add(self: LMCacheBatchedStream, stream: Any) -> Any:
+        if not stream.cache_salt:
+            events.append(("add", stream.request_stream_id))
+        return add(self, stream)
+
+    def spy_remove(self: LMCacheBatchedStream, stream_id: str) -> Any:
+        events.append(("remove", stream_id))
+        return remove(self, stream_id)
+
+    monkeypatch.setattr(LMCacheBatchedStream, "add", spy_add)
+    monkeypatch.setattr(LMCacheBatchedStream, "remove", spy_remove)
+    config = EvalConfig(
+        **{
+            **TOY_TASKS,
+            "tasks": ("niah_single",),
+            "lengths": (160, 176),
+            "edits": ("snapkv",),
+            "keeps": (1.0,),
+        },
+        min_accuracy=0.0,
+    )
+    result = evaluate(config)
+    assert isinstance(result, TasksResult)
+    assert [(r.length, r.edit) for r in result.rows] == [
+        (160, "none"),
+        (160, "snapkv"),
+        (176, "none"),
+        (176, "snapkv"),
+    ]
+    added = [i for i, (what, _) in enumerate(events) if what == "add"]
+    assert len(added) == 2 * TOY_TASKS["samples"]
+    second_cell = added[TOY_TASKS["samples"]]
+    first_ids = {events[i][1] for i in added[: TOY_TASKS["samples"]]}
+    removed_before = {sid for what, sid in events[:second_cell] if what == "remove"}
+    assert first_ids <= removed_before

@@ -377,11 +377,15 @@ class _Eval:
         )
 
     def tasks(self) -> tuple[list[TaskRow], list[TaskRow], dict[str, float]]:
-        """Answer every task x length cell uncompressed, then with each
-        edit at each keep on the cells the model solves; the scored rows,
-        the dropped cells' rows, and each cell's mean prompt tokens."""
+        """Answer every task x length cell uncompressed, then, where the
+        model solves it, with each edit at each keep; the scored rows, the
+        dropped cells' rows, and each cell's mean prompt tokens.
+
+        One cell at a time: its uncompressed streams leave the batch
+        before the next cell's prefill, so the store holds one cell's KV
+        (and queries) and the copies of one edit at a time, however many
+        cells the eval has."""
         cfg = self.config
-        cells: list[tuple[TaskRow, TaskRow, list[Task], list[list[int]]]] = []
         rows, dropped, tokens = [], [], {}
         for name in cfg.tasks:
             for length in cfg.lengths:
@@ -393,7 +397,7 @@ class _Eval:
                     ids = self._add(self.batch, prompts, "", len(self.contexts))
                     scores, answer_s = self._answers(ids, tasks)
                 tokens[f"{name}@{length}"] = float(np.mean([t.tokens for t in tasks]))
-                row = TaskRow(
+                base = TaskRow(
                     name,
                     length,
                     "none",
@@ -402,54 +406,61 @@ class _Eval:
                     bootstrap(scores),
                     answer_s=answer_s,
                 )
-                if row.accuracy.mean < cfg.min_accuracy:
-                    dropped.append(row)
-                    continue
-                rows.append(row)
-                # kvpress's own uncompressed row: its edits' change is
-                # measured against it.
-                kv_base = row
-                if cfg.compare:
-                    kv_base = self._kvpress(row, tasks, prompts, None, None)
-                    rows.append(kv_base)
-                cells.append((row, kv_base, tasks, prompts))
+                if base.accuracy.mean < cfg.min_accuracy:
+                    dropped.append(base)
+                else:
+                    rows.extend(self._cell(base, tasks, prompts))
+                self._drop(self.batch, ids)
+        return rows, dropped, tokens
+
+    def _cell(
+        self, base: TaskRow, tasks: list[Task], prompts: list[list[int]]
+    ) -> list[TaskRow]:
+        """A solved cell's rows: its uncompressed row (and kvpress's), then
+        each edit at each keep (each followed by its press), every edit on
+        copies of the cell's uncompressed KV."""
+        cfg = self.config
+        rows = [base]
+        # kvpress's own uncompressed row: its presses' change is measured
+        # against it.
+        kv_base = base
+        if cfg.compare:
+            kv_base = self._kvpress(base, tasks, prompts, None, None)
+            rows.append(kv_base)
         for edit_name in cfg.edits:
             kinds = len(self.contexts) if edit_name in KIND_EDITS else 1
             for keep in cfg.keeps:
                 edit = self._edit(edit_name, {"keep": keep})
-                for base, kv_base, tasks, prompts in cells:
-                    label = f"{edit_name} keep {keep:g} on {base.task}@{base.length}"
-                    with ProgressLine(f"[eval] {label}"):
-                        salt = f"{edit_name}@{keep}/{base.task}@{base.length}"
-                        ids = self._copies(self.batch, prompts, salt, kinds)
-                        modify_s = self._modify(self.batch, edit, ids)
-                        kept = np.mean(
-                            [
-                                len(self._context(sid)) / len(p)
-                                for sid, p in zip(ids, prompts, strict=True)
-                            ]
-                        )
-                        scores, answer_s = self._answers(ids, tasks)
-                        self._drop(self.batch, ids)
-                    rows.append(
-                        TaskRow(
-                            base.task,
-                            base.length,
-                            edit_name,
-                            keep,
-                            scores,
-                            bootstrap(scores),
-                            bootstrap(scores, base.scores),
-                            float(kept),
-                            modify_s,
-                            answer_s=answer_s,
-                        )
+                label = f"{edit_name} keep {keep:g} on {base.task}@{base.length}"
+                with ProgressLine(f"[eval] {label}"):
+                    salt = f"{edit_name}@{keep}/{base.task}@{base.length}"
+                    ids = self._copies(self.batch, prompts, salt, kinds)
+                    modify_s = self._modify(self.batch, edit, ids)
+                    kept = np.mean(
+                        [
+                            len(self._context(sid)) / len(p)
+                            for sid, p in zip(ids, prompts, strict=True)
+                        ]
                     )
-                    if cfg.compare and edit_name in PRESSES:
-                        rows.append(
-                            self._kvpress(kv_base, tasks, prompts, edit_name, keep)
-                        )
-        return rows, dropped, tokens
+                    scores, answer_s = self._answers(ids, tasks)
+                    self._drop(self.batch, ids)
+                rows.append(
+                    TaskRow(
+                        base.task,
+                        base.length,
+                        edit_name,
+                        keep,
+                        scores,
+                        bootstrap(scores),
+                        bootstrap(scores, base.scores),
+                        float(kept),
+                        modify_s,
+                        answer_s=answer_s,
+                    )
+                )
+                if cfg.compare and edit_name in PRESSES:
+                    rows.append(self._kvpress(kv_base, tasks, prompts, edit_name, keep))
+        return rows
 
     def _kvpress(
         self,

@@ -94,7 +94,8 @@ class TasksResult:
 
     Args:
         config: The eval.
-        rows: Each scored cell's uncompressed row, then every edit's.
+        rows: Each scored cell's rows: its uncompressed row, then every
+            edit's.
         dropped: The uncompressed rows of the cells the model does not
             solve ``min_accuracy`` of the time, which no edit ran on.
         tokens: Mean prompt tokens per ``"task@length"``.
