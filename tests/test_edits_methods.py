@@ -301,9 +301,12 @@ def test_streamingllm_keeps_sinks_and_the_latest_tokens() -> None:
 def test_tova_keeps_what_the_last_query_attends_to(
     config: AttentionConfig, budget: int
 ) -> None:
-    """tova keeps the last token and the keys of highest last-query attention."""
+    """tova with across_layers="mean" keeps the last token and the keys of
+    highest last-query attention, averaged over heads and layers."""
     kv, q = tensors(config, seed=1)
-    _, kept, _ = run("tova", kv, q, budget=budget, attention=config)
+    _, kept, _ = run(
+        "tova", kv, q, budget=budget, attention=config, across_layers="mean"
+    )
     assert set(kept) == ref_tova(kv, q, config, budget)
 
 
@@ -312,12 +315,11 @@ def test_tova_keeps_what_the_last_query_attends_to(
 def test_tova_union_keeps_each_layers_top_tokens(
     config: AttentionConfig, budget: int
 ) -> None:
-    """tova with across_layers="union" keeps the last token and, by best
-    rank in any layer, the tokens each layer's last query attends to most."""
+    """tova (by default across_layers="union") keeps the last token and, by
+    best rank in any layer, the tokens each layer's last query attends to
+    most."""
     kv, q = tensors(config, seed=1)
-    _, kept, _ = run(
-        "tova", kv, q, budget=budget, attention=config, across_layers="union"
-    )
+    _, kept, _ = run("tova", kv, q, budget=budget, attention=config)
     assert set(kept) == ref_tova_union(kv, q, config, budget)
 
 
@@ -339,7 +341,7 @@ def test_tova_union_keeps_a_token_one_layer_alone_attends_to() -> None:
             q[0, layer, -1, h * d : (h + 1) * d] = 3 * direction
             kv[0, layer, :, h * d : (h + 1) * d] *= 0.1
             kv[0, layer, 10:14, h * d : (h + 1) * d] = direction
-    _, mean_kept, _ = run("tova", kv, q, budget=5, attention=MHA)
+    _, mean_kept, _ = run("tova", kv, q, budget=5, attention=MHA, across_layers="mean")
     _, union_kept, _ = run(
         "tova", kv, q, budget=5, attention=MHA, across_layers="union"
     )
@@ -347,7 +349,7 @@ def test_tova_union_keeps_a_token_one_layer_alone_attends_to() -> None:
 
 
 def test_tova_refuses_an_unknown_layer_merge() -> None:
-    """across_layers other than "mean" or "union" raises ValueError naming it."""
+    """across_layers other than "union" or "mean" raises ValueError naming it."""
     with pytest.raises(ValueError, match="'across_layers'"):
         make_edit("tova", across_layers="max")
 

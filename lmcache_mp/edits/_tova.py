@@ -16,7 +16,7 @@ from lmcache_mp.hints import releases_gil
 __all__ = ["ACROSS_LAYERS", "TOVA"]
 
 #: The values of :attr:`TOVA.across_layers`.
-ACROSS_LAYERS = ("mean", "union")
+ACROSS_LAYERS = ("union", "mean")
 
 
 @releases_gil
@@ -32,11 +32,12 @@ class TOVA(QueryDrop, EndsDrop):
     head with ``attention``); TOVA averages the weights over the heads of a
     layer and keeps one subset per layer (as kvpress's ``TOVAPress`` does);
     a stream keeps one token subset for all layers, merged from the layers'
-    scores by ``across_layers``: ``"mean"`` averages them, ``"union"``
-    ranks the tokens within each layer and gives each token its best rank
-    in any layer (equal ranks by the mean), so that the kept tokens are the
-    union of every layer's own top tokens, as far as the budget goes. The
-    first ``keep_first`` (none by
+    scores by ``across_layers``: ``"union"`` (the default) ranks the tokens
+    within each layer and gives each token its best rank in any layer
+    (equal ranks by the mean over layers), so that the kept tokens are the
+    union of every layer's own top tokens, as far as the budget goes;
+    ``"mean"`` averages the layers' scores, which ranks low a token that
+    one layer needs and the others ignore. The first ``keep_first`` (none by
     default) and the last ``keep_last`` tokens (by default the last one:
     the query's own) are always kept, and the highest-scored tokens
     between, so that the budget is met exactly; of equal scores the later
@@ -55,8 +56,8 @@ class TOVA(QueryDrop, EndsDrop):
         attention: The model's attention shape and RoPE (GQA; rerotate).
         keep_first: Leading tokens always kept.
         keep_last: Trailing tokens always kept.
-        across_layers: How the layers' scores make one subset: ``"mean"``
-            or ``"union"`` (default ``"mean"``).
+        across_layers: How the layers' scores make one subset: ``"union"``
+            (default) or ``"mean"``.
 
     Raises:
         ValueError: If a parameter is out of range; the message names it.
@@ -66,7 +67,7 @@ class TOVA(QueryDrop, EndsDrop):
 
     keep_first: int = 0
     keep_last: int = 1
-    across_layers: Literal["mean", "union"] = "mean"
+    across_layers: Literal["mean", "union"] = "union"
 
     def __post_init__(self) -> None:
         """Check the parameters.
