@@ -33,6 +33,10 @@ OWNER = textwrap.dedent(
     # SIGUSR1 dumps every thread's stack: a test whose owner does not exit
     # shows where it is.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Ctrl-C's KeyboardInterrupt, as from a terminal: a test run in the
+    # background of a non-interactive shell inherits SIGINT ignored, and
+    # Python then installs no handler of its own.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import numpy as np
     import lmcache_mp
     from lmcache_mp.batch import LMCacheBatchedStream
@@ -52,11 +56,7 @@ OWNER = textwrap.dedent(
             raise RuntimeError("the owner fails")
         if HOW == "exit":
             sys.exit(0)
-        # Short sleeps: a signal's Python handler runs between them even
-        # where the kernel gave the signal to one of the pool's threads,
-        # which does not interrupt a long sleep of the main thread.
-        for _ in range(1200):
-            time.sleep(0.1)
+        time.sleep(120)
 
     def slow_edit(kv, tokens):
         reached("modify")
