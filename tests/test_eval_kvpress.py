@@ -33,7 +33,10 @@ KEEP = 0.5
 def compare_on_smollm2(**fields: Any) -> EvalResult | GenerateResult | TasksResult:
     """The eval on SmolLM2 at half the prompt with kvpress beside it.
     kvpress wraps every attention function registered when it patches
-    them, as it does when the CLI imports it after the model is loaded."""
+    them, as it does when the CLI imports it after the model is loaded.
+    The streams run on threads, over the model kvpress runs (a process
+    pool would load a copy in each worker; the SmolLM2 eval on the pool
+    is tested in test_eval_generate.py)."""
     register()
     patch_attention_functions()
     return evaluate(
@@ -41,6 +44,7 @@ def compare_on_smollm2(**fields: Any) -> EvalResult | GenerateResult | TasksResu
             keeps=(KEEP,),
             engine="smollm2-135m",
             compare=("kvpress",),
+            executor="thread",
             workers=2,
             **fields,
         )
