@@ -170,13 +170,11 @@ def ref_tova_union(
     for layer, qh, kh in per_query_head(kv, q, c):
         layer_scores[layer] += causal_attention(qh, kh)[-1] / c.q_heads
     middle = range(total - 1)
-    best = {}
-    for t in middle:
-        ranks = [
-            sorted(middle, key=lambda p, s=layer_scores[layer]: -s[p]).index(t)
-            for layer in range(LAYERS)
-        ]
-        best[t] = (min(ranks), -layer_scores[:, t].mean())
+    rank = [
+        {t: r for r, t in enumerate(sorted(middle, key=lambda p: -scores[p]))}
+        for scores in layer_scores
+    ]
+    best = {t: (min(r[t] for r in rank), -layer_scores[:, t].mean()) for t in middle}
     return set(sorted(middle, key=lambda p: best[p])[: count - 1]) | {total - 1}
 
 
